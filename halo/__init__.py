@@ -1,0 +1,1 @@
+"""halo: domain decomposition and halo exchange for sparse voxel sets over MPI."""

@@ -1,0 +1,184 @@
+"""Kernel maps: which input voxel feeds which output voxel through which kernel offset.
+
+    km = kernel_map(in_coords, out_coords, kernel_size=3, stride=1, padding=1, dilation=1)
+    km.pairs(k)   # (in_rows, out_rows) of offset k, int64 [P_k] each
+
+For output ``o`` and offset ``k = (kx, ky, kz)`` (flattened x-major, ``k = (kx*K + ky)*K + kz``,
+spconv's weight order), the input is ``i = o * stride - padding + k * dilation``. A submanifold
+3x3x3 convolution is ``stride=1, padding=1`` with ``out_coords = in_coords``::
+
+    offset k=13 is the centre (0,0,0)      o-1   o   o+1     (one axis; i = o - 1 + kx)
+                                            kx=0  kx=1 kx=2
+
+Coordinates are int32 [N, 4] (batch, x, y, z) in global voxel indices, so maps built on different
+ranks agree. Lookup sorts int64 keys and binary-searches them (``torch.searchsorted``): pure torch,
+the same on CPU and GPU, deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["KernelMap", "kernel_map", "kernel_offsets", "output_coords", "coord_keys", "decode_keys",
+           "lookup"]
+
+_BITS = 18  # bits per spatial axis: coordinates in [-2**17, 2**17); batch index below 2**9
+_HALF = 1 << (_BITS - 1)
+
+
+def _triple(v: int | Sequence[int]) -> tuple[int, int, int]:
+    t = (v, v, v) if isinstance(v, int) else tuple(int(a) for a in v)
+    if len(t) != 3:
+        raise ValueError(f"expected an int or 3 ints; got {v!r}")
+    return t  # type: ignore[return-value]
+
+
+def coord_keys(coords: torch.Tensor) -> torch.Tensor:
+    """int64 [N] keys, ordered like (batch, x, y, z) lexicographically; coords int [N, 4]."""
+    c = coords.long()
+    key = c[:, 0]
+    for a in range(1, 4):
+        key = (key << _BITS) | (c[:, a] + _HALF)
+    return key
+
+
+def lookup(table_keys_sorted: torch.Tensor, order: torch.Tensor,
+           query: torch.Tensor) -> torch.Tensor:
+    """Rows of ``query`` keys in the table (sorted keys + permutation back to rows); -1 if absent."""
+    if len(table_keys_sorted) == 0:
+        return torch.full_like(query, -1)
+    pos = torch.searchsorted(table_keys_sorted, query).clamp_(max=len(table_keys_sorted) - 1)
+    found = table_keys_sorted[pos] == query
+    return torch.where(found, order[pos], torch.full_like(pos, -1))
+
+
+def kernel_offsets(kernel_size: int | Sequence[int]) -> torch.Tensor:
+    """int64 [K, 3] kernel offsets (kx, ky, kz) in spconv's weight order."""
+    ks = _triple(kernel_size)
+    return torch.tensor(list(itertools.product(*(range(k) for k in ks))), dtype=torch.int64)
+
+
+@dataclass
+class KernelMap:
+    """Pairs (input row, output row) grouped by kernel offset (CSR by offset).
+
+    in_rows, out_rows: int64 [P]; ptr: int64 [K + 1] with offset k's pairs at ptr[k]:ptr[k+1]
+    (a CPU tensor). n_in, n_out: row counts of the input and output tensors the rows index.
+    """
+
+    in_rows: torch.Tensor
+    out_rows: torch.Tensor
+    ptr: torch.Tensor
+    n_in: int
+    n_out: int
+    _spconv: Optional[tuple] = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_offsets(self) -> int:
+        return len(self.ptr) - 1
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.ptr[-1])
+
+    def pairs(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = int(self.ptr[k]), int(self.ptr[k + 1])
+        return self.in_rows[a:b], self.out_rows[a:b]
+
+    def transpose(self) -> "KernelMap":
+        """The map of the transposed (inverse) convolution: inputs and outputs swap roles."""
+        return KernelMap(self.out_rows, self.in_rows, self.ptr, self.n_out, self.n_in)
+
+    def select(self, keep: torch.Tensor, n_in: Optional[int] = None,
+               in_rows: Optional[torch.Tensor] = None) -> "KernelMap":
+        """The pairs where ``keep [P]`` is true, optionally with input rows renumbered."""
+        counts = torch.stack([keep[int(self.ptr[k]):int(self.ptr[k + 1])].sum()
+                              for k in range(self.num_offsets)]) if self.num_offsets else \
+            torch.zeros(0, dtype=torch.int64)
+        ptr = torch.zeros(self.num_offsets + 1, dtype=torch.int64)
+        ptr[1:] = torch.cumsum(counts.cpu(), 0)
+        rows = self.in_rows[keep] if in_rows is None else in_rows[keep]
+        return KernelMap(rows, self.out_rows[keep], ptr,
+                         self.n_in if n_in is None else n_in, self.n_out)
+
+    def spconv_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """spconv's layout: pairs int32 [2, K, L] (0: input rows, 1: output rows), counts int32 [K]."""
+        if self._spconv is None:
+            counts = (self.ptr[1:] - self.ptr[:-1]).to(torch.int32)
+            width = max(int(counts.max()) if len(counts) else 0, 1)
+            pairs = torch.full((2, self.num_offsets, width), -1, dtype=torch.int32,
+                               device=self.in_rows.device)
+            for k in range(self.num_offsets):
+                i, o = self.pairs(k)
+                pairs[0, k, :len(i)] = i.int()
+                pairs[1, k, :len(o)] = o.int()
+            self._spconv = (pairs, counts.to(self.in_rows.device))
+        return self._spconv
+
+
+def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
+               kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
+               padding: int | Sequence[int] = 0,
+               dilation: int | Sequence[int] = 1) -> KernelMap:
+    """All (input, output, offset) triples with ``in = out * stride - padding + offset * dilation``.
+
+    in_coords int [N_in, 4], out_coords int [N_out, 4]: global voxel indices at the input's and the
+    output's stride respectively; rows need not be sorted.
+    """
+    s, p, d = (torch.tensor(_triple(v), dtype=torch.int64, device=out_coords.device)
+               for v in (stride, padding, dilation))
+    offsets = kernel_offsets(kernel_size).to(out_coords.device)
+    keys = coord_keys(in_coords)
+    sorted_keys, order = torch.sort(keys)
+    out = out_coords.long()
+    base = out[:, 1:] * s - p
+    in_rows, out_rows, counts = [], [], []
+    out_index = torch.arange(len(out), device=out.device)
+    for off in offsets:
+        q = torch.cat([out[:, :1], base + off * d], 1)
+        rows = lookup(sorted_keys, order, coord_keys(q))
+        hit = rows >= 0
+        in_rows.append(rows[hit])
+        out_rows.append(out_index[hit])
+        counts.append(int(hit.sum()))
+    ptr = torch.zeros(len(offsets) + 1, dtype=torch.int64)
+    ptr[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0)
+    return KernelMap(torch.cat(in_rows), torch.cat(out_rows), ptr, len(in_coords), len(out_coords))
+
+
+def output_coords(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
+                  stride: int | Sequence[int], padding: int | Sequence[int],
+                  dilation: int | Sequence[int], out_shape: Sequence[int]) -> torch.Tensor:
+    """Active outputs of a strided (non-submanifold) convolution: int32 [M, 4], sorted by key.
+
+    An output ``o`` in ``[0, out_shape)`` is active when some input reaches it, i.e.
+    ``o = (i + padding - offset * dilation) / stride`` is integral for an input ``i``.
+    """
+    s, p, d = (torch.tensor(_triple(v), dtype=torch.int64, device=in_coords.device)
+               for v in (stride, padding, dilation))
+    shape = torch.tensor(list(out_shape), dtype=torch.int64, device=in_coords.device)
+    c = in_coords.long()
+    cands = []
+    for off in kernel_offsets(kernel_size).to(in_coords.device):
+        num = c[:, 1:] + p - off * d
+        o = torch.div(num, s, rounding_mode="floor")
+        ok = ((o * s == num) & (o >= 0) & (o < shape)).all(1)
+        cands.append(torch.cat([c[ok, :1], o[ok]], 1))
+    if not cands:
+        return torch.zeros(0, 4, dtype=torch.int32, device=in_coords.device)
+    allc = torch.cat(cands)
+    keys = torch.unique(coord_keys(allc))
+    return decode_keys(keys)
+
+
+def decode_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`coord_keys`: int32 [N, 4]."""
+    mask = (1 << _BITS) - 1
+    cols = [keys >> (3 * _BITS)]
+    for a in (2, 1, 0):
+        cols.append(((keys >> (a * _BITS)) & mask) - _HALF)
+    return torch.stack(cols, 1).int()

@@ -1,0 +1,21 @@
+"""Dispatch ``python -m sparsepipe_hpc.bench NAME [options]`` to ``sparsepipe_hpc.bench.NAME.main``."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import sparsepipe_hpc.bench as bench
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    names = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
+    if not argv or argv[0] not in names:
+        sys.exit(f"usage: python -m sparsepipe_hpc.bench {{{','.join(names)}}} [options]")
+    importlib.import_module(f"sparsepipe_hpc.bench.{argv[0]}").main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""The ModelNet40 HDF5 layout of PointNet-style code, for classification, and its data set.
+
+    ds = ModelNetDataset("modelnet40_ply_hdf5_2048", "train")     # train*.h5 / ply_data_train*.h5
+    ds = ModelNetDataset(["a.h5", "b.h5"], num_points=1024)       # explicit files
+    s = ds[0]            # Sample: points [P, 3] (unit sphere), feats ones [P, 1], label int
+    write_modelnet("train0.h5", data, label, class_names=[...])
+
+Layout (one or more HDF5 files per split, e.g. ``train0.h5``, ``train1.h5``, ``test0.h5``)::
+
+    /data    float [S, P, 3]   S objects of P points each, finite (usually centred and scaled
+                               into the unit sphere)
+    /label   integer [S, 1] or [S]   class index in [0, K)   (uint8 and int64 both occur)
+    /normal  (ignored when present)
+
+Class names, and with them K, come from the first of: the ``class_names`` argument; a root
+attribute ``class_names`` (list of str, as written by :func:`write_modelnet`); a ``shape_names.txt``
+beside the files (PointNet's, one name a line); else K = 40 (ModelNet40) with names ``class_<k>``.
+
+Files of a directory are those ``*.h5`` whose name contains the split, in natural order
+(``train2`` before ``train10``); a global index walks the files in that order. Validation works as
+in :mod:`sparsepipe_hpc.data.scenes`: structure always, every value with ``check="full"``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional, Sequence
+
+import h5py
+import numpy as np
+
+from sparsepipe_hpc.data.checks import (
+    DataFormatError, check_finite, check_kind, check_range, check_shape, open_h5, read,
+    read_str_list, require_dataset)
+from sparsepipe_hpc.data.sample import Sample
+
+__all__ = ["ModelNetDataset", "write_modelnet", "split_files"]
+
+MODELNET40_CLASSES = 40
+
+
+def write_modelnet(path: str | Path, data: np.ndarray, label: np.ndarray,
+                   class_names: Optional[Sequence[str]] = None) -> Path:
+    """Write ``data [S, P, 3]`` float32 and ``label [S]`` (stored as uint8 ``[S, 1]``, as in the
+    wild) to ``path``; ``class_names`` become a root attribute. Returns ``path``."""
+    path = Path(path)
+    label = np.asarray(label).reshape(-1, 1)
+    dtype = np.uint8 if label.size == 0 or label.max() < 256 else np.int64
+    with h5py.File(path, "w") as f:
+        f.create_dataset("data", data=np.asarray(data, dtype=np.float32))
+        f.create_dataset("label", data=label.astype(dtype))
+        if class_names is not None:
+            f.attrs["class_names"] = np.array(list(class_names), dtype=h5py.string_dtype())
+    return path
+
+
+def _natural_key(p: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+
+def split_files(directory: str | Path, split: str) -> list[Path]:
+    """The ``*.h5`` files of ``directory`` whose name contains ``split``, in natural order."""
+    d = Path(directory)
+    files = sorted((p for p in d.glob("*.h5") if split in p.name), key=_natural_key)
+    if not files:
+        have = sorted(p.name for p in d.iterdir())[:10] if d.is_dir() else []
+        raise DataFormatError(f"{d}: no '*{split}*.h5' files for split '{split}' (found {have})")
+    return files
+
+
+class ModelNetDataset:
+    """Objects of one split in the layout above; ``ds[i]`` is a :class:`Sample` with ``label``.
+
+    ``num_points`` keeps the first points of each object (PointNet's convention; the files store
+    points in random order). Files are opened lazily and kept open, once per process.
+    """
+
+    def __init__(self, paths: str | Path | Sequence[str | Path], split: str = "train", *,
+                 num_points: Optional[int] = None, class_names: Optional[Sequence[str]] = None,
+                 check: str = "full") -> None:
+        if check not in ("full", "structure"):
+            raise ValueError(f"check must be 'full' or 'structure'; got {check!r}")
+        if isinstance(paths, (str, Path)):
+            p = Path(paths)
+            files = split_files(p, split) if p.is_dir() else [p]
+        else:
+            files = [Path(x) for x in paths]
+            if not files:
+                raise DataFormatError("ModelNetDataset: the list of files is empty")
+        self.files = files
+        self.split = split
+        self._handles: dict[Path, h5py.File] = {}
+        self._pid = -1
+        counts, points, file_names = [], [], None
+        for path in files:
+            with open_h5(path) as f:
+                s, p = self._check_structure(path, f)
+                counts.append(s)
+                points.append(p)
+                if "class_names" in f.attrs:
+                    names = read_str_list(path, f, "class_names")
+                    if file_names is not None and names != file_names:
+                        raise DataFormatError(f"{path}: attribute 'class_names' differs from that "
+                                              f"of {files[0]}: {names} vs {file_names}")
+                    file_names = names
+        self.class_names = self._class_names(class_names, file_names)
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts)])
+        self.points_per_file = points
+        if num_points is not None and not 1 <= num_points <= min(points):
+            raise ValueError(f"num_points must lie in [1, {min(points)}] (the fewest points per "
+                             f"object in these files); got {num_points}")
+        self.num_points = num_points
+        lo, hi = np.full(3, np.inf), np.full(3, -np.inf)
+        if check == "full":
+            for path in files:
+                with open_h5(path) as f:
+                    data = read(path, f["data"])
+                    check_finite(path, "/data", data)
+                    self._check_labels(path, read(path, f["label"]))
+                    lo = np.minimum(lo, data.reshape(-1, 3).min(0))
+                    hi = np.maximum(hi, data.reshape(-1, 3).max(0))
+            self._bounds: Optional[tuple[np.ndarray, np.ndarray]] = (lo, hi)
+        else:
+            self._bounds = None
+
+    def _check_structure(self, path: Path, f: h5py.File) -> tuple[int, int]:
+        data = require_dataset(f, path, "data")
+        check_shape(path, data, (None, None, 3), "[S, P, 3]")
+        check_kind(path, data, "f", "floating point")
+        s, p = data.shape[0], data.shape[1]
+        if s == 0 or p == 0:
+            raise DataFormatError(f"{path}: dataset '/data' holds no points; shape {data.shape}")
+        label = require_dataset(f, path, "label")
+        if label.shape not in ((s,), (s, 1)):
+            raise DataFormatError(f"{path}: dataset '/label' must have shape [S, 1] or [S] with "
+                                  f"S = {s} (the objects in '/data'); got {tuple(label.shape)}")
+        check_kind(path, label, "iu", "an integer type")
+        return int(s), int(p)
+
+    def _class_names(self, given: Optional[Sequence[str]], in_files: Optional[list[str]]
+                     ) -> list[str]:
+        if given is not None:
+            return list(given)
+        if in_files is not None:
+            return in_files
+        txt = self.files[0].parent / "shape_names.txt"
+        if txt.is_file():
+            names = [line.strip() for line in txt.read_text().splitlines() if line.strip()]
+            if names:
+                return names
+        return [f"class_{k}" for k in range(MODELNET40_CLASSES)]
+
+    def _check_labels(self, path: Path, label: np.ndarray) -> None:
+        k = len(self.class_names)
+        check_range(path, "/label", label, 0, k - 1, f"{k} classes")
+
+    # --- data set protocol ----------------------------------------------------------------------
+    def _h5(self, path: Path) -> h5py.File:
+        if self._pid != os.getpid():
+            self._handles = {}  # a forked child must not share its parent's HDF5 handles
+            self._pid = os.getpid()
+        if path not in self._handles:
+            self._handles[path] = open_h5(path)
+        return self._handles[path]
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> Sample:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"object index {i} out of range for {n} objects in {self.split}")
+        i = i % n
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        row = i - int(self.offsets[k])
+        path = self.files[k]
+        f = self._h5(path)
+        pts = read(path, f["data"], (row, slice(0, self.num_points)))
+        check_finite(path, f"/data[{row}]", pts)
+        label = read(path, f["label"], row).reshape(-1)
+        self._check_labels(path, label)
+        return Sample(points=pts.astype(np.float32, copy=False),
+                      feats=np.ones((len(pts), 1), dtype=np.float32), labels=None,
+                      label=int(label[0]), name=f"{path.stem}/{row}")
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def in_channels(self) -> int:
+        """Feature channels of every sample: 1 (a constant; the layout has no colour)."""
+        return 1
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(min, max) float64 [3] over every point of every file (one scan, cached)."""
+        if self._bounds is None:
+            lo, hi = np.full(3, np.inf), np.full(3, -np.inf)
+            for path in self.files:
+                data = read(path, self._h5(path)["data"])
+                check_finite(path, "/data", data)
+                lo = np.minimum(lo, data.reshape(-1, 3).min(0))
+                hi = np.maximum(hi, data.reshape(-1, 3).max(0))
+            self._bounds = (lo, hi)
+        return self._bounds
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for f in self._handles.values():
+                f.close()
+        self._handles = {}
+
+    def __repr__(self) -> str:
+        return (f"ModelNetDataset({len(self.files)} file(s), split {self.split!r}, {len(self)} "
+                f"objects, {self.num_classes} classes)")

@@ -1,0 +1,244 @@
+"""The scene layout for semantic segmentation (S3DIS/ScanNet-like) and its data set.
+
+    write_scenes("train.h5", [("room_0", xyz, rgb, label)], class_names=["floor", "wall", ...])
+    ds = SceneDataset("train.h5")          # or SceneDataset(directory, "train")
+    s = ds[0]                              # Sample: points [P, 3] m, feats [P, 3], labels [P]
+
+Layout (HDF5, one file per split, e.g. ``train.h5``, ``val.h5``)::
+
+    /                      attrs: format = "sparsepipe-scenes"    (str)
+                                  version = 1                     (int)
+                                  class_names = ["floor", ...]    (list of str, K >= 1 entries)
+                                  bounds_min, bounds_max          (optional float [3], metres: the
+                                                                   box holding every point; saves
+                                                                   a scan in grid_for)
+    /scenes/<name>/xyz     float  [P, 3]  point positions in metres, finite, P >= 1
+    /scenes/<name>/rgb     uint8 [P, 3] in 0..255, or float [P, 3] in [0, 1]   (optional; present
+                                          in every scene or in none)
+    /scenes/<name>/label   integer [P]    class index in [0, K)
+
+Scenes are ordered by name (``sorted``), so index ``i`` means the same scene on every rank. Any
+float width is accepted for ``xyz`` and any integer width for ``label``; a sample hands out float32
+and int64. There is no "ignore" label: unlabelled points must be dropped or given a class.
+
+Validation: opening checks the attributes, every scene's datasets, shapes and dtypes and, with
+``check="full"`` (the default), every value (finite coordinates, colours and labels in range). A
+scene that breaks a rule raises :class:`DataFormatError` naming the file, the dataset and the rule.
+``check="structure"`` skips the value scan (for very large files); values are still checked when a
+scene is read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import h5py
+import numpy as np
+
+from sparsepipe_hpc.data.checks import (
+    DataFormatError, check_finite, check_kind, check_range, check_shape, open_h5, read,
+    read_str_list, require_dataset)
+from sparsepipe_hpc.data.sample import Sample
+
+__all__ = ["FORMAT", "VERSION", "SceneDataset", "write_scenes"]
+
+FORMAT = "sparsepipe-scenes"
+VERSION = 1
+
+
+def write_scenes(path: str | Path,
+                 scenes: Iterable[tuple[str, np.ndarray, Optional[np.ndarray], np.ndarray]],
+                 class_names: Sequence[str], attrs: Optional[dict] = None) -> Path:
+    """Write ``(name, xyz [P,3] m, rgb [P,3] uint8 or None, label [P] int)`` scenes to ``path``.
+
+    Stores ``bounds_min``/``bounds_max`` of all points; ``attrs`` adds root attributes (e.g. the
+    generator's parameters). Returns ``path``.
+    """
+    path = Path(path)
+    lo = np.full(3, np.inf)
+    hi = np.full(3, -np.inf)
+    with h5py.File(path, "w") as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["version"] = VERSION
+        f.attrs["class_names"] = np.array(list(class_names), dtype=h5py.string_dtype())
+        for k, v in (attrs or {}).items():
+            f.attrs[k] = v
+        group = f.create_group("scenes")
+        for name, xyz, rgb, label in scenes:
+            g = group.create_group(name)
+            xyz = np.asarray(xyz, dtype=np.float32)
+            g.create_dataset("xyz", data=xyz)
+            if rgb is not None:
+                g.create_dataset("rgb", data=np.asarray(rgb))
+            g.create_dataset("label", data=np.asarray(label))
+            if len(xyz):
+                lo = np.minimum(lo, xyz.min(0))
+                hi = np.maximum(hi, xyz.max(0))
+        if np.isfinite(lo).all():
+            f.attrs["bounds_min"] = lo
+            f.attrs["bounds_max"] = hi
+    return path
+
+
+class SceneDataset:
+    """Scenes of one split in the layout above; ``ds[i]`` is a :class:`Sample` with ``labels``.
+
+    ``path`` is the split's file, or a directory holding ``<split>.h5``. The HDF5 file is opened
+    lazily on first read and kept open, once per process (a forked worker opens its own).
+    """
+
+    def __init__(self, path: str | Path, split: Optional[str] = None, *,
+                 check: str = "full") -> None:
+        path = Path(path)
+        if path.is_dir():
+            if split is None:
+                raise DataFormatError(f"{path}: is a directory; pass split= (e.g. 'train') to read "
+                                      f"{path}/<split>.h5")
+            path = path / f"{split}.h5"
+        if check not in ("full", "structure"):
+            raise ValueError(f"check must be 'full' or 'structure'; got {check!r}")
+        self.path = path
+        self.split = split
+        self._file: Optional[h5py.File] = None
+        self._pid = -1
+        self._bounds: Optional[tuple[np.ndarray, np.ndarray]] = None
+        with open_h5(path) as f:
+            self._read_header(f)
+            sizes = [self._check_scene(f, n, full=check == "full") for n in self.names]
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+
+    # --- header and per-scene validation --------------------------------------------------------
+    def _read_header(self, f: h5py.File) -> None:
+        p = self.path
+        fmt = f.attrs.get("format")
+        if isinstance(fmt, bytes):
+            fmt = fmt.decode()
+        if fmt != FORMAT:
+            raise DataFormatError(f"{p}: root attribute 'format' must be '{FORMAT}'; got {fmt!r} "
+                                  "(is this a scene file? ModelNet files go to ModelNetDataset)")
+        version = f.attrs.get("version")
+        if version is None or np.asarray(version).dtype.kind not in "iu" or int(version) != VERSION:
+            raise DataFormatError(f"{p}: root attribute 'version' must be {VERSION}; got {version!r}")
+        self.class_names = read_str_list(p, f, "class_names")
+        if not self.class_names:
+            raise DataFormatError(f"{p}: attribute 'class_names' must list at least one class")
+        group = f.get("scenes")
+        if not isinstance(group, h5py.Group):
+            raise DataFormatError(f"{p}: missing group 'scenes' (one sub-group per scene)")
+        self.names = sorted(group.keys())
+        if not self.names:
+            raise DataFormatError(f"{p}: group 'scenes' holds no scenes")
+        self.has_rgb = "rgb" in group[self.names[0]]
+        if "bounds_min" in f.attrs and "bounds_max" in f.attrs:
+            lo = np.asarray(f.attrs["bounds_min"], dtype=np.float64)
+            hi = np.asarray(f.attrs["bounds_max"], dtype=np.float64)
+            if lo.shape != (3,) or hi.shape != (3,) or not (np.isfinite(lo).all()
+                                                             and np.isfinite(hi).all()
+                                                             and (lo <= hi).all()):
+                raise DataFormatError(f"{p}: attributes bounds_min/bounds_max must be finite [3] "
+                                      f"with min <= max; got {lo.tolist()} / {hi.tolist()}")
+            self._bounds = (lo, hi)
+
+    def _check_scene(self, f: h5py.File, name: str, full: bool) -> int:
+        p = self.path
+        g = f["scenes"].get(name)
+        if not isinstance(g, h5py.Group):
+            raise DataFormatError(f"{p}: 'scenes/{name}' must be a group holding xyz and label")
+        xyz = require_dataset(g, p, "xyz")
+        check_shape(p, xyz, (None, 3), "[P, 3]")
+        check_kind(p, xyz, "f", "floating point (metres)")
+        npts = xyz.shape[0]
+        if npts == 0:
+            raise DataFormatError(f"{p}: scene '{name}' is empty (xyz has 0 points)")
+        label = require_dataset(g, p, "label")
+        check_shape(p, label, (npts,), f"[P] with P = {npts} (the length of xyz)")
+        check_kind(p, label, "iu", "an integer type")
+        if ("rgb" in g) != self.has_rgb:
+            raise DataFormatError(
+                f"{p}: scene '{name}' {'has' if 'rgb' in g else 'lacks'} 'rgb' but scene "
+                f"'{self.names[0]}' {'has' if self.has_rgb else 'lacks'} it; rgb must be present "
+                "in every scene or in none")
+        if self.has_rgb:
+            rgb = require_dataset(g, p, "rgb")
+            check_shape(p, rgb, (npts, 3), f"[P, 3] with P = {npts}")
+            if not (rgb.dtype == np.uint8 or rgb.dtype.kind == "f"):
+                raise DataFormatError(f"{p}: dataset '{rgb.name}' must be uint8 (0..255) or float "
+                                      f"(0..1); got dtype {rgb.dtype}")
+        if full:
+            self._read_scene(f, name)
+        return int(npts)
+
+    def _read_scene(self, f: h5py.File, name: str
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(xyz float32 [P,3], feats float32 [P,C], labels int64 [P]) with values checked."""
+        p = self.path
+        g = f["scenes"][name]
+        xyz = read(p, g["xyz"])
+        check_finite(p, g["xyz"].name, xyz)
+        label = read(p, g["label"])
+        check_range(p, g["label"].name, label, 0, len(self.class_names) - 1,
+                    f"{len(self.class_names)} classes in 'class_names'")
+        if self.has_rgb:
+            rgb = read(p, g["rgb"])
+            if rgb.dtype == np.uint8:
+                feats = rgb.astype(np.float32) / np.float32(255.0)
+            else:
+                check_finite(p, g["rgb"].name, rgb)
+                check_range(p, g["rgb"].name, rgb, 0.0, 1.0, "float colours are scaled to [0, 1]")
+                feats = rgb.astype(np.float32)
+        else:
+            feats = np.ones((len(xyz), 1), dtype=np.float32)
+        return xyz.astype(np.float32, copy=False), feats, label.astype(np.int64)
+
+    # --- data set protocol ----------------------------------------------------------------------
+    def _h5(self) -> h5py.File:
+        if self._file is None or self._pid != os.getpid():
+            self._file = open_h5(self.path)
+            self._pid = os.getpid()
+        return self._file
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i: int) -> Sample:
+        n = len(self.names)
+        if not -n <= i < n:
+            raise IndexError(f"scene index {i} out of range for {n} scenes in {self.path}")
+        name = self.names[i]
+        xyz, feats, labels = self._read_scene(self._h5(), name)
+        return Sample(points=xyz, feats=feats, labels=labels, label=None, name=name)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def in_channels(self) -> int:
+        """Feature channels of every sample: 3 (rgb) or 1 (a constant)."""
+        return 3 if self.has_rgb else 1
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(min, max) float64 [3], metres, over every point: from the file's attributes when
+        stored, else by one scan (cached)."""
+        if self._bounds is None:
+            lo = np.full(3, np.inf)
+            hi = np.full(3, -np.inf)
+            f = self._h5()
+            for name in self.names:
+                xyz = read(self.path, f["scenes"][name]["xyz"])
+                check_finite(self.path, f["scenes"][name]["xyz"].name, xyz)
+                lo = np.minimum(lo, xyz.min(0))
+                hi = np.maximum(hi, xyz.max(0))
+            self._bounds = (lo, hi)
+        return self._bounds
+
+    def close(self) -> None:
+        if self._file is not None and self._pid == os.getpid():
+            self._file.close()
+        self._file = None
+
+    def __repr__(self) -> str:
+        return (f"SceneDataset({str(self.path)!r}, {len(self)} scenes, {self.num_classes} classes, "
+                f"in_channels={self.in_channels})")

@@ -1,0 +1,35 @@
+"""Local sparse-convolution engines behind one interface (see :mod:`.base`).
+
+    from sparsepipe_hpc.engine import get_engine
+    engine = get_engine("auto")   # the measured-faster correct engine for the device
+
+``"auto"`` picks spconv on CUDA and the own torch engine on CPU, where it measured faster than
+spconv's single-threaded CPU kernels (``python -m sparsepipe_hpc.bench engine``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsepipe_hpc.engine.base import Engine, Progress
+from sparsepipe_hpc.engine.spconv_engine import SpconvEngine
+from sparsepipe_hpc.engine.torch_engine import TorchEngine
+
+__all__ = ["Engine", "Progress", "SpconvEngine", "TorchEngine", "get_engine", "ENGINES"]
+
+ENGINES = ("auto", "torch", "spconv")
+_cache: dict[str, Engine] = {}
+
+
+def get_engine(name: str = "auto", device: torch.device | str = "cpu") -> Engine:
+    """The engine called ``name`` (one of ENGINES); ``auto`` depends on ``device``."""
+    if name == "auto":
+        name = "spconv" if torch.device(device).type == "cuda" else "torch"
+    if name not in _cache:
+        if name == "torch":
+            _cache[name] = TorchEngine()
+        elif name == "spconv":
+            _cache[name] = SpconvEngine()
+        else:
+            raise ValueError(f"engine must be one of {ENGINES}; got {name!r}")
+    return _cache[name]

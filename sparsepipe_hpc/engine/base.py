@@ -1,0 +1,40 @@
+"""The local sparse-convolution engine interface: gather-GEMM-scatter over a kernel map.
+
+    engine = get_engine("torch")           # or "spconv", or "auto"
+    out = engine.forward(feats, weight, kmap)                       # [n_out, C_out]
+    g_feats, g_weight = engine.backward(feats, weight, grad_out, kmap)
+
+``feats`` [n_in, C_in], ``weight`` [C_out, K, C_in] (spconv's KRSC order with the kernel flattened),
+``kmap`` a :class:`halo.kmap.KernelMap`. Engines are plain functions of tensors, without autograd:
+serial and distributed autograd functions call them, so the distributed layer can run the local
+part while the halo is in flight and the halo part after.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Optional
+
+import torch
+
+from halo.kmap import KernelMap
+
+__all__ = ["Engine", "Progress"]
+
+Progress = Optional[Callable[[], object]]
+"""Called between chunks of work, so a pending exchange can make progress (MPI_Test)."""
+
+
+class Engine(ABC):
+    name: str = "?"
+
+    @abstractmethod
+    def forward(self, feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,
+                progress: Progress = None) -> torch.Tensor:
+        """out[o] = sum over pairs (i, o, k) of weight[:, k] @ feats[i]; [kmap.n_out, C_out]."""
+
+    @abstractmethod
+    def backward(self, feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
+                 kmap: KernelMap, progress: Progress = None,
+                 need_input_grad: bool = True) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """Gradients of the forward: (grad_feats [n_in, C_in] or None, grad_weight like weight)."""

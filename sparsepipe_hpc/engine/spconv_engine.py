@@ -1,0 +1,93 @@
+"""spconv as the local engine: its gather-GEMM-scatter kernels on our kernel maps.
+
+Two facts about spconv 2.3.8's CPU build, measured here, shape this module:
+  * with more than one torch thread its forward and input gradient are wrong (a race in its CPU
+    scatter-add; max error ~0.5 on outputs ~2.5, different every run), so on CPU every call runs
+    with torch's thread count set to 1 and restored afterwards;
+  * its backward asks ``torch.cuda.current_stream()`` even for CPU tensors, which raises on a
+    CPU-only torch, so :func:`patch_spconv` makes that lookup return stream 0 without CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+from halo.kmap import KernelMap
+from sparsepipe_hpc.engine.base import Engine, Progress
+
+__all__ = ["SpconvEngine", "patch_spconv", "single_thread"]
+
+_patched = False
+
+
+def patch_spconv() -> None:
+    """Make spconv's CPU path work on a CPU-only torch (idempotent)."""
+    global _patched
+    if _patched:
+        return
+    import spconv.pytorch.hash as sp_hash
+    import spconv.pytorch.ops as sp_ops
+
+    def current_stream() -> int:
+        return torch.cuda.current_stream().cuda_stream if torch.cuda.is_available() else 0
+
+    sp_ops.get_current_stream = current_stream
+    sp_hash.get_current_stream = current_stream
+    _patched = True
+
+
+@contextlib.contextmanager
+def single_thread(device: torch.device) -> Iterator[None]:
+    """Run spconv's CPU kernels on one thread (they race with more); no-op on CUDA."""
+    if device.type != "cpu":
+        yield
+        return
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+class SpconvEngine(Engine):
+    name = "spconv"
+
+    def __init__(self) -> None:
+        patch_spconv()
+        from spconv.pytorch import ops
+
+        self._ops = ops
+
+    def forward(self, feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,
+                progress: Progress = None) -> torch.Tensor:
+        if kmap.num_pairs == 0:
+            return feats.new_zeros(kmap.n_out, weight.shape[0])
+        pairs, counts = kmap.spconv_pairs()
+        with single_thread(feats.device):
+            out = self._ops.indice_conv(feats.contiguous(), weight.contiguous(), pairs, counts,
+                                        kmap.n_out, False, False)
+        if progress is not None:
+            progress()
+        return out
+
+    def backward(self, feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
+                 kmap: KernelMap, progress: Progress = None,
+                 need_input_grad: bool = True) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        if kmap.num_pairs == 0:
+            return (feats.new_zeros(kmap.n_in, weight.shape[2]) if need_input_grad else None,
+                    torch.zeros_like(weight))
+        pairs, counts = kmap.spconv_pairs()
+        with single_thread(feats.device):
+            g_in, g_w = self._ops.indice_conv_backward(
+                feats.contiguous(), weight.contiguous(), grad_out.contiguous(), pairs, counts,
+                False, False)
+        if progress is not None:
+            progress()
+        return (g_in if need_input_grad else None), g_w.view_as(weight)

@@ -1,0 +1,163 @@
+"""Autograd functions of the single-process layers: sparse convolution, BatchNorm, pooling.
+
+Each function takes an optional communicator so that the same arithmetic serves the serial run and
+the distributed one (statistics all-reduced over the ranks that share them). Reductions sum in
+float64 so the result does not depend on how voxels are split between ranks beyond float rounding.
+
+Loss convention used throughout (see sparsepipe_hpc.parallel.context): every rank holds a *share*
+of the loss and the true loss is the sum of the shares; a value every rank of a group holds a copy
+of (a pooled vector) therefore all-reduces its gradient in backward, which is the exact adjoint of
+the forward all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from halo.kmap import KernelMap, coord_keys
+from sparsepipe_hpc.engine.base import Engine
+
+__all__ = ["sparse_conv", "batch_norm", "global_pool", "allreduce_"]
+
+
+def allreduce_(t: torch.Tensor, comm: Any, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce of a contiguous CPU tensor over ``comm`` (no-op when comm is None)."""
+    if comm is None or comm.Get_size() == 1:
+        return t
+    from mpi4py import MPI
+
+    mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+    shared = t.device.type == "cpu" and t.is_contiguous()
+    host = t.detach() if shared else t.detach().cpu().contiguous()
+    comm.Allreduce(MPI.IN_PLACE, host.numpy(), op=mpi_op)
+    if not shared:
+        t.copy_(host)
+    return t
+
+
+class _SparseConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,
+                engine: Engine) -> torch.Tensor:
+        ctx.save_for_backward(feats, weight)
+        ctx.kmap, ctx.engine = kmap, engine
+        return engine.forward(feats, weight, kmap)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        feats, weight = ctx.saved_tensors
+        g_in, g_w = ctx.engine.backward(feats, weight, grad_out.contiguous(), ctx.kmap,
+                                        need_input_grad=ctx.needs_input_grad[0])
+        return g_in, g_w, None, None
+
+
+def sparse_conv(feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,
+                engine: Engine) -> torch.Tensor:
+    """feats [n_in, C_in], weight [C_out, K, C_in] -> [n_out, C_out] over the pairs of ``kmap``."""
+    return _SparseConv.apply(feats, weight, kmap, engine)
+
+
+class _BatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, comm):
+        if training:
+            xd = x.double()
+            stats = torch.cat([xd.sum(0), (xd * xd).sum(0),
+                               torch.tensor([float(len(x))], dtype=torch.float64)])
+            allreduce_(stats, comm)
+            c = x.shape[1]
+            n = stats[-1]
+            if n < 2:
+                raise ValueError(f"BatchNorm needs at least 2 voxels over the group; got {int(n)}")
+            mean = stats[:c] / n
+            var = (stats[c:2 * c] / n - mean * mean).clamp_(min=0)
+            with torch.no_grad():
+                running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
+                running_var.mul_(1 - momentum).add_(
+                    momentum * (var * n / (n - 1)).to(running_var.dtype))
+            mean, var = mean.to(x.dtype), var.to(x.dtype)
+        else:
+            mean, var, n = running_mean, running_var, None
+        invstd = torch.rsqrt(var + eps)
+        xhat = (x - mean) * invstd
+        ctx.save_for_backward(xhat, weight, invstd)
+        ctx.training, ctx.comm, ctx.n = training, comm, n
+        return xhat * weight + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, weight, invstd = ctx.saved_tensors
+        g_w = (dy * xhat).sum(0)
+        g_b = dy.sum(0)
+        if not ctx.training:
+            return dy * weight * invstd, g_w, g_b, None, None, None, None, None, None
+        sums = torch.cat([g_b, g_w]).double()
+        allreduce_(sums, ctx.comm)
+        c = dy.shape[1]
+        mean_dy = (sums[:c] / ctx.n).to(dy.dtype)
+        mean_dy_xhat = (sums[c:] / ctx.n).to(dy.dtype)
+        dx = (dy - mean_dy - xhat * mean_dy_xhat) * (weight * invstd)
+        return dx, g_w, g_b, None, None, None, None, None, None
+
+
+def batch_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+               running_mean: torch.Tensor, running_var: torch.Tensor, training: bool,
+               momentum: float, eps: float, comm: Any = None) -> torch.Tensor:
+    """BatchNorm over the rows of ``x [N, C]``, statistics all-reduced over ``comm``."""
+    return _BatchNorm.apply(x, weight, bias, running_mean, running_var, training, momentum, eps,
+                            comm)
+
+
+class _GlobalPool(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, feats, coords, batch_size, mode, comm):
+        b = coords[:, 0].long()
+        c = feats.shape[1]
+        if mode == "avg":
+            sums = torch.zeros(batch_size, c + 1, dtype=torch.float64)
+            sums[:, :c].index_add_(0, b, feats.double())
+            sums[:, c].index_add_(0, b, torch.ones(len(b), dtype=torch.float64))
+            allreduce_(sums, comm)
+            counts = sums[:, c:].clamp(min=1)
+            ctx.save_for_backward(b, counts)
+            ctx.mode, ctx.comm = mode, comm
+            return (sums[:, :c] / counts).to(feats.dtype)
+        # max: ties go to the voxel with the smallest global coordinate key, on whichever rank.
+        out = torch.full((batch_size, c), -torch.inf, dtype=feats.dtype)
+        out.scatter_reduce_(0, b[:, None].expand(-1, c), feats, "amax")
+        allreduce_(out, comm, "max")
+        keys = coord_keys(coords)
+        big = torch.iinfo(torch.int64).max
+        at_max = feats == out[b]
+        cand = torch.where(at_max, keys[:, None].expand(-1, c),
+                           torch.full_like(at_max, big, dtype=torch.int64))
+        win = torch.full((batch_size, c), big, dtype=torch.int64)
+        win.scatter_reduce_(0, b[:, None].expand(-1, c), cand, "amin")
+        allreduce_(win, comm, "min")
+        mine = at_max & (cand == win[b])
+        ctx.save_for_backward(b, mine)
+        ctx.mode, ctx.comm = mode, comm
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = allreduce_(grad.contiguous().clone(), ctx.comm)
+        if ctx.mode == "avg":
+            b, counts = ctx.saved_tensors
+            return (grad.double() / counts)[b].to(grad.dtype), None, None, None, None
+        b, mine = ctx.saved_tensors
+        return grad[b] * mine, None, None, None, None
+
+
+def global_pool(feats: torch.Tensor, coords: torch.Tensor, batch_size: int, mode: str = "avg",
+                comm: Any = None) -> torch.Tensor:
+    """Per-sample average or max over voxels: feats [N, C] -> [batch_size, C].
+
+    With ``comm`` (the spatial group) the result covers every rank's voxels and every rank holds a
+    copy; backward all-reduces the incoming gradient (the adjoint of that copy).
+    """
+    if mode not in ("avg", "max"):
+        raise ValueError(f"pooling mode must be 'avg' or 'max'; got {mode!r}")
+    return _GlobalPool.apply(feats, coords, batch_size, mode, comm)

@@ -1,0 +1,103 @@
+"""SparseTensor: the voxel set that flows between layers.
+
+    x = SparseTensor(coords, feats, spatial_shape=(64, 64, 64), batch_size=2)
+    y = x.replace(feats=torch.relu(x.feats))      # same voxels, new features
+    z = SparseTensor.from_spconv(x.to_spconv())  # round trip through spconv
+
+Contract:
+    coords  int32 [N, 4]: (batch, x, y, z), global voxel indices at this tensor's stride
+            (level-0 index // stride). Rows are unique.
+    feats   float [N, C], row i belongs to coords[i].
+    spatial_shape: the global grid extent at this stride, in voxels (x, y, z).
+    stride: tensor stride relative to the input grid (1, 2, 4, ...).
+    kmaps:  kernel maps shared by every tensor derived from the same input (like spconv's
+            indice_dict), so a down-sampling map is reused by its inverse convolution.
+    context: None for a single-process tensor; otherwise the rank's ParallelContext
+            (sparsepipe_hpc.parallel.context): its communicators and, under spatial parallelism,
+            its box of the global grid; coords then hold only the voxels this rank owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence
+
+import torch
+
+__all__ = ["SparseTensor", "SparseTensorError"]
+
+
+class SparseTensorError(ValueError):
+    """A sparse tensor's fields break its contract."""
+
+
+@dataclass
+class SparseTensor:
+    coords: torch.Tensor
+    feats: torch.Tensor
+    spatial_shape: tuple[int, int, int]
+    batch_size: int
+    stride: int = 1
+    kmaps: dict[str, Any] = field(default_factory=dict, repr=False)
+    context: Optional[Any] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.spatial_shape = tuple(int(s) for s in self.spatial_shape)  # type: ignore[assignment]
+        if self.coords.dim() != 2 or self.coords.shape[1] != 4:
+            raise SparseTensorError(f"coords must be [N, 4] (batch, x, y, z); got {list(self.coords.shape)}")
+        if self.coords.dtype != torch.int32:
+            raise SparseTensorError(f"coords must be int32; got {self.coords.dtype}")
+        if self.feats.dim() != 2 or self.feats.shape[0] != self.coords.shape[0]:
+            raise SparseTensorError(
+                f"feats must be [N, C] with N = len(coords) = {self.coords.shape[0]}; "
+                f"got {list(self.feats.shape)}")
+        if len(self.spatial_shape) != 3:
+            raise SparseTensorError(f"spatial_shape must have 3 entries; got {self.spatial_shape}")
+
+    @property
+    def num_voxels(self) -> int:
+        return int(self.coords.shape[0])
+
+    @property
+    def num_channels(self) -> int:
+        return int(self.feats.shape[1])
+
+    def replace(self, **changes: Any) -> "SparseTensor":
+        """A tensor sharing this one's kernel maps and context, with some fields changed."""
+        return replace(self, **changes)
+
+    def validate_bounds(self, name: str = "input") -> None:
+        """Raise if any coordinate lies outside [0, spatial_shape) or batch outside [0, batch_size)."""
+        if self.num_voxels == 0:
+            return
+        lo = self.coords.min(0).values.tolist()
+        hi = self.coords.max(0).values.tolist()
+        limits = [self.batch_size, *self.spatial_shape]
+        for axis, (a, b, n) in enumerate(zip(lo, hi, limits)):
+            if a < 0 or b >= n:
+                label = ("batch", "x", "y", "z")[axis]
+                raise SparseTensorError(
+                    f"{name}: coordinate {label} spans [{a}, {b}] but must lie in [0, {n - 1}]")
+
+    # --- spconv interop -------------------------------------------------------------------------
+    def to_spconv(self):  # -> spconv.pytorch.SparseConvTensor
+        """The same voxels as a ``spconv.pytorch.SparseConvTensor`` (shares memory)."""
+        import spconv.pytorch as spconv
+
+        return spconv.SparseConvTensor(self.feats, self.coords, list(self.spatial_shape),
+                                       self.batch_size)
+
+    @classmethod
+    def from_spconv(cls, t, stride: int = 1) -> "SparseTensor":
+        return cls(t.indices.int(), t.features, tuple(t.spatial_shape), int(t.batch_size), stride)
+
+    @classmethod
+    def from_voxels(cls, samples: Sequence[Any], spatial_shape: Sequence[int],
+                    dtype: torch.dtype = torch.float32) -> "SparseTensor":
+        """Batch per-sample voxel sets (objects with ``coords [n, 3]`` and ``feats [n, C]``)."""
+        coords, feats = [], []
+        for b, s in enumerate(samples):
+            c = torch.as_tensor(s.coords, dtype=torch.int32)
+            coords.append(torch.cat([torch.full((len(c), 1), b, dtype=torch.int32), c], 1))
+            feats.append(torch.as_tensor(s.feats, dtype=dtype))
+        return cls(torch.cat(coords), torch.cat(feats), tuple(spatial_shape), len(samples))

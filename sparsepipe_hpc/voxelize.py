@@ -1,0 +1,97 @@
+"""Voxelization of point clouds against a fixed global origin.
+
+    vox = voxelize(xyz, rgb, voxel_size=0.05, origin=(0.0, 0.0, 0.0), spatial_shape=(128, 128, 64),
+                   labels=point_labels, num_classes=13)
+    vox.coords          # int32 [V, 3] global voxel indices, sorted (x, then y, then z)
+    vox.feats           # float32 [V, C]: mean of the point features in each voxel
+    vox.labels          # int64 [V]: majority point label per voxel (ties: smallest label)
+    vox.point_to_voxel  # int64 [P]: row of vox.coords holding each point (to project predictions)
+
+Indices are ``floor((p - origin) / voxel_size)``: the same world point gets the same index on every
+rank and in every sample, which the spatial decomposition relies on. Never voxelize against a
+per-sample minimum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["Voxels", "VoxelizeError", "voxelize"]
+
+
+class VoxelizeError(ValueError):
+    """A point cloud that cannot be voxelized as asked."""
+
+
+@dataclass
+class Voxels:
+    """One sample's voxel set (see the module docstring for the fields' contracts)."""
+
+    coords: torch.Tensor
+    feats: torch.Tensor
+    point_to_voxel: torch.Tensor
+    labels: Optional[torch.Tensor] = None
+
+
+def voxelize(points: np.ndarray | torch.Tensor, feats: np.ndarray | torch.Tensor | None,
+             voxel_size: float, origin: Sequence[float], spatial_shape: Sequence[int],
+             labels: np.ndarray | torch.Tensor | None = None, num_classes: int | None = None,
+             clip: bool = False, name: str = "points") -> Voxels:
+    """Quantize ``points [P, 3]`` (metres) into voxels of edge ``voxel_size`` (metres).
+
+    ``feats [P, C]`` are averaged per voxel (None: a constant feature of 1). Points outside the grid
+    ``origin + [0, spatial_shape) * voxel_size`` raise, or are dropped with ``clip=True`` (their
+    ``point_to_voxel`` entry is then -1).
+    """
+    pts = torch.as_tensor(np.asarray(points), dtype=torch.float64)
+    if pts.dim() != 2 or pts.shape[1] != 3:
+        raise VoxelizeError(f"{name} must be [P, 3]; got {list(pts.shape)}")
+    if len(pts) == 0:
+        raise VoxelizeError(f"{name} is empty: a sample needs at least one point")
+    if not torch.isfinite(pts).all():
+        bad = int((~torch.isfinite(pts)).any(1).sum())
+        raise VoxelizeError(f"{name} has {bad} point(s) with NaN or inf coordinates")
+    if voxel_size <= 0:
+        raise VoxelizeError(f"voxel_size must be > 0; got {voxel_size}")
+    if feats is None:
+        f = torch.ones(len(pts), 1, dtype=torch.float32)
+    else:
+        f = torch.as_tensor(np.asarray(feats), dtype=torch.float32).reshape(len(pts), -1)
+        if not torch.isfinite(f).all():
+            raise VoxelizeError(f"features of {name} contain NaN or inf")
+    shape = torch.tensor(list(spatial_shape), dtype=torch.int64)
+    idx = torch.floor((pts - torch.tensor(list(origin), dtype=torch.float64)) / voxel_size).long()
+    inside = ((idx >= 0) & (idx < shape)).all(1)
+    if not bool(inside.all()):
+        if not clip:
+            i = int((~inside).nonzero()[0])
+            raise VoxelizeError(
+                f"{name}: {int((~inside).sum())} point(s) fall outside the grid (origin {tuple(origin)}, "
+                f"{tuple(spatial_shape)} voxels of {voxel_size} m); first: point {i} at "
+                f"{pts[i].tolist()} -> voxel {idx[i].tolist()}. Enlarge the grid or pass clip=True")
+        if not bool(inside.any()):
+            raise VoxelizeError(f"{name}: every point falls outside the grid")
+    key = (idx[:, 0] * shape[1] + idx[:, 1]) * shape[2] + idx[:, 2]
+    keys, inverse = torch.unique(key[inside], return_inverse=True)
+    n = len(keys)
+    counts = torch.zeros(n, dtype=torch.float32).index_add_(0, inverse, torch.ones(len(inverse)))
+    mean = torch.zeros(n, f.shape[1]).index_add_(0, inverse, f[inside]) / counts[:, None]
+    coords = torch.stack([keys // (shape[1] * shape[2]), keys // shape[2] % shape[1],
+                          keys % shape[2]], 1).int()
+    point_to_voxel = torch.full((len(pts),), -1, dtype=torch.int64)
+    point_to_voxel[inside] = inverse
+    vox_labels = None
+    if labels is not None:
+        lab = torch.as_tensor(np.asarray(labels), dtype=torch.int64).reshape(-1)[inside]
+        k = int(num_classes) if num_classes is not None else int(lab.max()) + 1
+        if len(lab) and (int(lab.min()) < 0 or int(lab.max()) >= k):
+            raise VoxelizeError(f"labels of {name} must lie in [0, {k - 1}]; "
+                                f"got [{int(lab.min())}, {int(lab.max())}]")
+        votes = torch.zeros(n * k, dtype=torch.int64).index_add_(
+            0, inverse * k + lab, torch.ones_like(lab))
+        vox_labels = votes.view(n, k).argmax(1)  # first maximum: the smallest label wins ties
+    return Voxels(coords, mean, point_to_voxel, vox_labels)

@@ -1,0 +1,50 @@
+"""Run the suites under ``tests/mpi/`` under real ``mpirun`` at several world sizes.
+
+Each (file, world size) pair is one test here, so a failure names both. A deadlock is ended by the
+per-test timeout inside the MPI run (pytest-timeout, thread method) and by the outer timeout below.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+MPI_FILES = sorted(p.name for p in (HERE / "mpi").glob("test_*.py"))
+WORLD_SIZES = (1, 2, 3, 4)
+
+
+def mpirun_command(n: int) -> list[str]:
+    cmd = ["mpirun", "-n", str(n), "--oversubscribe"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd
+
+
+def mpi_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # One node: shared memory and self only (Open MPI's transport probing costs ~1 s per rank).
+    env.setdefault("OMPI_MCA_pml", "ob1")
+    env.setdefault("OMPI_MCA_btl", "self,sm")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("name", MPI_FILES)
+def test_under_mpirun(name: str, n: int) -> None:
+    cmd = mpirun_command(n) + [
+        sys.executable, "-m", "pytest", str(HERE / "mpi" / name),
+        "-q", "-p", "no:cacheprovider", "--timeout=300", "--timeout-method=thread",
+        "-o", "addopts=", "-x",
+    ]
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=900)
+    if proc.returncode not in (0, 5):  # 5: nothing collected at this size
+        pytest.fail(f"{' '.join(cmd[:4])} {name} exited {proc.returncode}\n"
+                    f"--- stdout ---\n{proc.stdout[-20000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
