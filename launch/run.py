@@ -105,6 +105,17 @@ def _say(rank: int, text: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # Abort on an uncaught exception
 
+_RUNNER_FILES = ("<frozen runpy>", runpy.__file__, os.path.join(os.path.dirname(__file__), "run.py"),
+                 os.path.join(os.path.dirname(__file__), "__main__.py"))
+
+
+def _trim(tb: TracebackType | None) -> TracebackType | None:
+    """Drop the leading frames of runpy and of this runner, so the traceback starts at the target."""
+    first = tb
+    while tb is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
+        tb = tb.tb_next
+    return tb if tb is not None else first
+
 
 def abort_on_exception(comm: MPI.Comm | None = None) -> None:
     """Install a ``sys.excepthook`` that prints ``[rank R] Traceback ...`` and aborts the MPI job.
@@ -118,7 +129,7 @@ def abort_on_exception(comm: MPI.Comm | None = None) -> None:
     def hook(exc_type: type[BaseException], exc: BaseException,
              tb: TracebackType | None) -> None:
         rank, size = _rank_and_size(comm)
-        _say(rank, "".join(traceback.format_exception(exc_type, exc, tb)))
+        _say(rank, "".join(traceback.format_exception(exc_type, exc, _trim(tb))))
         mpi = _live_mpi()
         if mpi is not None and size > 1:
             _say(rank, f"aborting all {size} ranks (MPI_Abort) after an uncaught "

@@ -5,7 +5,8 @@
     up = SparseInverseConv3d(64, 32, kernel_size=2, indice_key="down1")  # back onto down's inputs
     y = up(down(conv(x)))
 
-Weights are ``[C_out, kx, ky, kz, C_in]`` (spconv 2's layout, so state dicts carry over). Kernel
+Weights are ``[C_out, kx, ky, kz, C_in]`` (spconv 2's layout, so state dicts carry over; except
+kernel size 1, whose storage spconv reads as ``[C_in, C_out]``). Kernel
 maps are cached in the tensor's ``kmaps`` under the indice key (submanifold maps under one key per
 kernel, dilation and stride, since a network has one voxel set per stride). When the tensor has a
 spatial context the layer runs distributed (sparsepipe_hpc.parallel.spatial) with the same weights.

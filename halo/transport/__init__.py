@@ -1,0 +1,17 @@
+"""Transports: how halo messages move between ranks (host MPI now; CuPy + NCCL later).
+
+    transport = MPITransport(grid.comm)
+    req = transport.start(sends=[(1, buf_a)], recvs=[(1, buf_b)], tag=7)
+    ...                      # compute while the messages move; req.test() makes progress
+    req.wait()               # buf_b now holds rank 1's message
+
+A transport moves whole tensors to and from peer ranks; matching is by (peer, tag) in posting
+order, as in MPI. Layers above never touch MPI directly, so a device transport can replace
+:class:`MPITransport` without changing them.
+"""
+
+from halo.transport.base import Request, Transport, TransportError
+from halo.transport.delay import DelayedTransport
+from halo.transport.mpi import MPITransport
+
+__all__ = ["Transport", "Request", "TransportError", "MPITransport", "DelayedTransport"]

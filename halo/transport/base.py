@@ -1,0 +1,55 @@
+"""The transport interface: start point-to-point transfers of whole tensors, test, wait.
+
+    class MyTransport(Transport):
+        def start(self, sends, recvs, tag): ...   # returns a Request
+
+Contract: ``sends`` and ``recvs`` are lists of ``(peer rank, tensor)``; every tensor is contiguous
+and stays untouched (sends) or unread (recvs) until the request completes. A receive tensor must
+have exactly the bytes its peer sends. Messages between one pair of ranks with one tag match in the
+order they were started (MPI's non-overtaking rule), so callers that start exchanges in the same
+order on every rank need no more than a tag per kind of exchange.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+__all__ = ["Transport", "Request", "TransportError", "Peers"]
+
+Peers = list[tuple[int, torch.Tensor]]
+
+
+class TransportError(ValueError):
+    """A tensor handed to a transport does not fit it (device, layout)."""
+
+
+class Request(ABC):
+    """A set of transfers in flight."""
+
+    @abstractmethod
+    def test(self) -> bool:
+        """Make progress; True once every transfer of this request has completed."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until every transfer has completed; the receive tensors then hold the data."""
+
+
+class CompletedRequest(Request):
+    """A request with nothing in flight (no peers)."""
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class Transport(ABC):
+    """Moves tensors between ranks of one communicator (ranks are that communicator's)."""
+
+    @abstractmethod
+    def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
+        """Post every receive, then every send; return at once with a :class:`Request`."""

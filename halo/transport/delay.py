@@ -1,0 +1,47 @@
+"""A simulated slow network: wrap a transport so each request takes at least ``seconds``.
+
+    slow = DelayedTransport(MPITransport(comm), seconds=0.02)
+    ex = HaloExchange(plan, slow)           # the exchange now costs >= 20 ms per start/wait
+    # time (local work + wait) with and without overlap to see how much of it the work hides
+
+The delay is measured from ``start``: a request whose caller computed for longer than ``seconds``
+before waiting costs nothing extra, exactly like a transfer hidden behind computation.
+"""
+
+from __future__ import annotations
+
+import time
+
+from halo.transport.base import Peers, Request, Transport
+
+__all__ = ["DelayedTransport"]
+
+
+class DelayedRequest(Request):
+    def __init__(self, inner: Request, ready_at: float) -> None:
+        self._inner = inner
+        self._ready_at = ready_at
+
+    def test(self) -> bool:
+        done = self._inner.test()  # progress the real transfer even while the delay runs
+        return done and time.perf_counter() >= self._ready_at
+
+    def wait(self) -> None:
+        self._inner.wait()
+        left = self._ready_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
+class DelayedTransport(Transport):
+    """``inner`` with every request's completion held back until ``seconds`` after its start."""
+
+    def __init__(self, inner: Transport, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"DelayedTransport: seconds is {seconds}; it must be >= 0")
+        self.inner = inner
+        self.seconds = float(seconds)
+
+    def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
+        t0 = time.perf_counter()
+        return DelayedRequest(self.inner.start(sends, recvs, tag), t0 + self.seconds)

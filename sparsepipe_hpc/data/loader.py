@@ -1,0 +1,168 @@
+"""From samples to a batch of voxels: the global grid, train-time augmentation and collation.
+
+    ds = SceneDataset(default_data("seg"), "train")
+    origin, shape = grid_for(ds, voxel_size=0.05)        # the same for every sample and rank
+    batches = ShardedBatches(len(ds), batch_size=8, replicas=R, rank=r, seed=0)
+    g = torch.Generator().manual_seed(1234)
+    for idx in batches:
+        batch = collate([ds[i] for i in idx], 0.05, origin, shape, augment=True, generator=g)
+        logits = net(batch.x)                           # [N, K], one row per voxel
+        loss = F.cross_entropy(logits, batch.labels)
+
+Batch contract (B samples, N voxels in all):
+    x.coords        int32 [N, 4]  (batch, x, y, z), global voxel indices of the grid
+                    ``origin + index * voxel_size``; rows of sample b are ``offsets[b]:offsets[b+1]``
+    x.feats         float32 [N, C] mean point feature per voxel
+    labels          int64 [N] majority point label per voxel (segmentation), or [B] (classification)
+    offsets         int64 [B + 1] voxel row offsets per sample
+    point_to_voxel  list of B int64 [P_b]: each point's row *within its sample's voxels* (add
+                    ``offsets[b]`` for a row of ``x``), -1 for a point clipped off the grid
+    point_labels    list of B int64 [P_b] per-point labels (segmentation), [] for classification
+    names           list of B sample names
+
+``Sample``, the data sets and ``ShardedBatches`` are re-exported here for one-stop imports.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from sparsepipe_hpc.data.modelnet import ModelNetDataset
+from sparsepipe_hpc.data.sample import Sample
+from sparsepipe_hpc.data.scenes import SceneDataset
+from sparsepipe_hpc.data.sharding import ShardedBatches
+from sparsepipe_hpc.sparse import SparseTensor
+from sparsepipe_hpc.voxelize import voxelize
+
+__all__ = ["Batch", "collate", "grid_for", "augment_points", "Sample", "SceneDataset",
+           "ModelNetDataset", "ShardedBatches"]
+
+
+class _HasBounds(Protocol):
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@dataclass
+class Batch:
+    """Voxelized samples; see the module docstring for every field's contract."""
+
+    x: SparseTensor
+    labels: torch.Tensor
+    point_to_voxel: list[torch.Tensor]
+    offsets: torch.Tensor
+    point_labels: list[torch.Tensor]
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.x.batch_size)
+
+    def to(self, device: torch.device | str) -> "Batch":
+        """The same batch with every tensor on ``device``."""
+        return Batch(self.x.replace(coords=self.x.coords.to(device),
+                                    feats=self.x.feats.to(device)),
+                     self.labels.to(device), [t.to(device) for t in self.point_to_voxel],
+                     self.offsets.to(device), [t.to(device) for t in self.point_labels],
+                     list(self.names))
+
+
+def grid_for(dataset: _HasBounds | Sequence[_HasBounds], voxel_size: float, multiple: int = 16,
+             margin: float = 0.0) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
+    """A fixed global grid ``(origin (m), spatial_shape (voxels))`` holding every point.
+
+    ``dataset`` is one data set or several (e.g. train and val, so both share a grid); their
+    ``bounds()`` are united, widened by ``margin`` metres, snapped to voxel boundaries (the origin
+    is a multiple of ``voxel_size``) and padded evenly on both sides until every axis is a
+    multiple of ``multiple`` (the network's total stride). The result depends only on the files,
+    so every rank computes the same grid.
+    """
+    if not voxel_size > 0 or not math.isfinite(voxel_size):
+        raise ValueError(f"voxel_size must be a positive number of metres; got {voxel_size}")
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1; got {multiple}")
+    sets = list(dataset) if isinstance(dataset, (list, tuple)) else [dataset]
+    lo = np.min([np.asarray(d.bounds()[0], dtype=np.float64) for d in sets], axis=0) - margin
+    hi = np.max([np.asarray(d.bounds()[1], dtype=np.float64) for d in sets], axis=0) + margin
+    first = np.floor(lo / voxel_size).astype(np.int64)
+    last = np.floor(hi / voxel_size).astype(np.int64)  # the voxel holding the highest point
+    n = last - first + 1
+    padded = -(-n // multiple) * multiple
+    first -= (padded - n) // 2  # pad evenly so that the grid's centre stays near the data's
+    origin = tuple(float(i * voxel_size) for i in first)
+    return origin, tuple(int(s) for s in padded)  # type: ignore[return-value]
+
+
+def augment_points(points: torch.Tensor, origin: Sequence[float], spatial_shape: Sequence[int],
+                   voxel_size: float, generator: Optional[torch.Generator],
+                   jitter: float = 0.005) -> torch.Tensor:
+    """A random symmetry of the grid's footprint plus jitter, for ``points [P, 3]`` float64 (m).
+
+    Flips x and y about the grid's centre (each with probability 1/2) and, when the grid is square
+    in x-y, swaps x and y (together: the 8 rotations by 90 degrees and reflections), so points stay
+    inside the grid; then adds Gaussian noise of ``jitter`` metres (clamped to 3 sigma) per point.
+    Draws from ``generator`` in a fixed order, so the same generator state gives the same result.
+    """
+    centre = torch.tensor([o + s * voxel_size / 2 for o, s in zip(origin, spatial_shape)],
+                          dtype=torch.float64)
+    coin = torch.rand(3, generator=generator, dtype=torch.float64)
+    p = points - centre
+    if coin[0] < 0.5:
+        p[:, 0] = -p[:, 0]
+    if coin[1] < 0.5:
+        p[:, 1] = -p[:, 1]
+    if coin[2] < 0.5 and spatial_shape[0] == spatial_shape[1]:
+        p = p[:, [1, 0, 2]]
+    if jitter > 0:
+        noise = torch.randn(p.shape, generator=generator, dtype=torch.float64) * jitter
+        p = p + noise.clamp_(-3 * jitter, 3 * jitter)
+    return p + centre
+
+
+def collate(samples: Sequence[Sample], voxel_size: float, origin: Sequence[float],
+            spatial_shape: Sequence[int], augment: bool = False,
+            generator: Optional[torch.Generator] = None, *, jitter: float = 0.005,
+            clip: Optional[bool] = None) -> Batch:
+    """Voxelize ``samples`` against the global grid and batch them (see :class:`Batch`).
+
+    ``augment`` (training only) applies :func:`augment_points` drawing from ``generator``. Points
+    off the grid raise, unless ``clip`` (default: ``augment``, since jitter may push a point over
+    the edge) drops them. Segmentation samples give per-voxel majority labels, classification
+    samples one label each; a batch may not mix the two.
+    """
+    if len(samples) == 0:
+        raise ValueError("collate: got no samples; a batch needs at least one")
+    clip = augment if clip is None else clip
+    seg = samples[0].labels is not None
+    channels = samples[0].feats.shape[1]
+    voxels, point_labels = [], []
+    for s in samples:
+        if (s.labels is not None) != seg:
+            raise ValueError(f"collate: sample {s.name!r} is a {'segmentation' if not seg else 'classification'} "
+                             f"sample but {samples[0].name!r} is not; a batch holds one kind")
+        if s.feats.shape != (s.num_points, channels):
+            raise ValueError(f"collate: sample {s.name!r} has feats {tuple(s.feats.shape)}; "
+                             f"expected [{s.num_points}, {channels}] like {samples[0].name!r}")
+        if not seg and s.label is None:
+            raise ValueError(f"collate: sample {s.name!r} has neither labels nor label")
+        pts = torch.as_tensor(np.asarray(s.points), dtype=torch.float64)
+        if augment:
+            pts = augment_points(pts, origin, spatial_shape, voxel_size, generator, jitter)
+        labels = torch.as_tensor(np.asarray(s.labels), dtype=torch.int64) if seg else None
+        voxels.append(voxelize(pts, s.feats, voxel_size, origin, spatial_shape, labels=labels,
+                               clip=clip, name=f"sample {s.name!r}"))
+        if seg:
+            point_labels.append(labels)
+    x = SparseTensor.from_voxels(voxels, spatial_shape)
+    counts = torch.tensor([len(v.coords) for v in voxels], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    if seg:
+        labels_out = torch.cat([v.labels for v in voxels])
+    else:
+        labels_out = torch.tensor([int(s.label) for s in samples], dtype=torch.int64)
+    return Batch(x, labels_out, [v.point_to_voxel for v in voxels], offsets, point_labels,
+                 [s.name for s in samples])

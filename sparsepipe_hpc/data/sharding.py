@@ -1,0 +1,140 @@
+"""Deterministic, resumable batch order for data-parallel replicas.
+
+    batches = ShardedBatches(len(ds), batch_size=16, replicas=4, rank=r, seed=0)
+    batches.load_state_dict(ckpt["batches"])          # optional: resume mid-epoch
+    while batches.epoch < epochs:
+        for idx in batches:                           # this replica's 4 sample indices per step
+            ...train on [ds[i] for i in idx]...
+            ckpt["batches"] = batches.state_dict()    # {"epoch": e, "step_in_epoch": k}
+
+Each epoch's order is ``torch.randperm(n)`` from a generator seeded by ``(seed, epoch)`` alone, so
+it is the same on every rank and after any restart. Step ``k`` takes the global batch
+``perm[k*B : (k+1)*B]`` and cuts it into ``replicas`` contiguous shards (the first ``B % replicas``
+shards one longer, as ``torch.tensor_split``); replica ``r`` gets shard ``r``::
+
+    perm   = [7 2 9 4 0 5 | 8 1 3 6 ...]        B = 6, replicas = 3
+    step 0 : r0 [7 2]  r1 [9 4]  r2 [0 5]
+    step 1 : r0 [8 1]  r1 [3 6]  ...
+
+The ragged tail (``n % B`` samples) is dropped with ``drop_last=True`` (training: every step then
+has the same global batch, which keeps the loss scale fixed; a different tail is dropped each
+epoch). With ``drop_last=False`` (evaluation) the last step is short and a replica may get an
+empty list, which it must still step through so that collectives stay matched.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+import numpy as np
+import torch
+
+__all__ = ["ShardedBatches"]
+
+
+class ShardedBatches:
+    """This replica's sample indices, one list per step; see the module docstring.
+
+    ``state_dict()`` counts the steps handed out so far in the current epoch: save it after the
+    step's update, and a run restored from it yields exactly the remaining steps.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, *, replicas: int = 1, rank: int = 0,
+                 seed: int = 0, shuffle: bool = True, drop_last: bool = True,
+                 epoch: int = 0) -> None:
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0; got {num_samples}")
+        if replicas < 1 or not 0 <= rank < replicas:
+            raise ValueError(f"need replicas >= 1 and 0 <= rank < replicas; got rank {rank} of "
+                             f"{replicas}")
+        if batch_size < replicas:
+            raise ValueError(f"global batch_size {batch_size} is smaller than replicas {replicas}: "
+                             "some replica would get no sample; use batch_size >= replicas")
+        if drop_last and num_samples < batch_size:
+            raise ValueError(f"data set of {num_samples} samples is smaller than the global batch "
+                             f"{batch_size}; with drop_last no step would run")
+        self.num_samples = int(num_samples)
+        self.batch_size = int(batch_size)
+        self.replicas = int(replicas)
+        self.rank = int(rank)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.epoch = int(epoch)
+        self.step_in_epoch = 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.batch_size
+        return -(-self.num_samples // self.batch_size)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """int64 [n]: the global sample order of ``epoch`` (identity without shuffle)."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        # SeedSequence mixes (seed, epoch) into well-spread generator states.
+        state = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, np.uint64)[0])
+        g = torch.Generator().manual_seed(state)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def global_batch(self, epoch: int, step: int) -> list[int]:
+        """Every replica's indices of one step, concatenated in replica order."""
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} out of range for {self.steps_per_epoch} steps per epoch")
+        return self.order(epoch)[step * self.batch_size:(step + 1) * self.batch_size].tolist()
+
+    def shard(self, batch: list[int]) -> list[int]:
+        """This replica's contiguous part of a global batch."""
+        q, rem = divmod(len(batch), self.replicas)
+        start = self.rank * q + min(self.rank, rem)
+        return batch[start:start + q + (1 if self.rank < rem else 0)]
+
+    def _normalize(self) -> None:
+        if self.step_in_epoch >= self.steps_per_epoch:  # a finished epoch resumes at the next
+            self.epoch += 1
+            self.step_in_epoch = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """The remaining steps of the current epoch; exhausting it moves to the next epoch."""
+        self._normalize()
+        perm = self.order(self.epoch)
+        while self.step_in_epoch < self.steps_per_epoch:
+            k = self.step_in_epoch
+            batch = perm[k * self.batch_size:(k + 1) * self.batch_size].tolist()
+            self.step_in_epoch += 1
+            yield self.shard(batch)
+        self._normalize()
+
+    def __len__(self) -> int:
+        """Steps the next ``iter()`` yields (fewer than ``steps_per_epoch`` after a resume)."""
+        if self.step_in_epoch >= self.steps_per_epoch:
+            return self.steps_per_epoch
+        return self.steps_per_epoch - self.step_in_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first step."""
+        self.epoch, self.step_in_epoch = int(epoch), 0
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "step_in_epoch"}``; after an epoch's last step it already names the next
+        epoch's start, so a loop ``while batches.epoch < epochs`` resumes without an extra epoch."""
+        if self.step_in_epoch >= self.steps_per_epoch:
+            return {"epoch": self.epoch + 1, "step_in_epoch": 0}
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        missing = {"epoch", "step_in_epoch"} - set(state)
+        if missing:
+            raise KeyError(f"ShardedBatches state lacks {sorted(missing)}; got {dict(state)}")
+        epoch, step = int(state["epoch"]), int(state["step_in_epoch"])
+        if epoch < 0 or not 0 <= step <= self.steps_per_epoch:
+            raise ValueError(f"ShardedBatches state {dict(state)} out of range: need epoch >= 0 "
+                             f"and 0 <= step_in_epoch <= {self.steps_per_epoch}")
+        self.epoch, self.step_in_epoch = epoch, step
+        self._normalize()
+
+    def __repr__(self) -> str:
+        return (f"ShardedBatches(n={self.num_samples}, batch={self.batch_size}, replica "
+                f"{self.rank}/{self.replicas}, epoch {self.epoch}, step {self.step_in_epoch}/"
+                f"{self.steps_per_epoch})")

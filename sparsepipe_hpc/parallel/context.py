@@ -1,0 +1,134 @@
+"""ParallelContext: one rank's communicators and its share of the work, from a RankLayout.
+
+    ctx = ParallelContext(MPI.COMM_WORLD, RankLayout.from_world(4, grid=(2, 1, 1)))
+    x = ctx.distribute(batch_x)                # this rank's voxels, with the context attached
+    loss = ctx.loss_share(per_voxel_loss_sum, n_local)   # shares sum to the global mean loss
+    loss.backward(); ctx.allreduce_gradients(model)      # = single-process gradients
+
+Loss convention: each rank computes a *share* of the loss, and the shares of all ranks sum to the
+single-process loss of the global batch. Gradients are then summed (not averaged) over every rank
+that holds a copy of the parameters, which gives the single-process gradient exactly (up to float
+rounding): spatial ranks hold disjoint voxels, replicas disjoint samples, and values every spatial
+rank holds a copy of (pooled vectors) carry 1/spatial_size of the loss on each.
+
+Communicators:
+    spatial_comm  ranks of one replica and stage (the Cartesian grid); pooling, halo exchange
+    stats_comm    every rank of this stage (spatial ranks x replicas); BatchNorm statistics,
+                  loss normalization and gradient all-reduce
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional, Sequence
+
+import torch
+
+from sparsepipe_hpc.nn.functional import allreduce_
+from sparsepipe_hpc.parallel.layout import RankLayout
+from sparsepipe_hpc.sparse import SparseTensor
+
+__all__ = ["ParallelContext"]
+
+
+class ParallelContext:
+    def __init__(self, comm: Any, layout: RankLayout, cuts: str = "balanced",
+                 overlap: bool = True, transport: Any = None):
+        if layout.size != comm.Get_size():
+            raise ValueError(f"layout {layout} does not match the communicator's "
+                             f"{comm.Get_size()} ranks")
+        if cuts not in ("balanced", "uniform"):
+            raise ValueError(f"cuts must be 'balanced' or 'uniform'; got {cuts!r}")
+        self.world = comm
+        self.layout = layout
+        self.position = layout.position(comm.Get_rank())
+        p = self.position
+        self.spatial_comm = comm.Split(p.replica * layout.stages + p.stage, p.spatial)
+        self.stats_comm = comm.Split(p.stage, comm.Get_rank())
+        self.cuts_mode = cuts
+        self.overlap = overlap
+        self.spatial: Any = None  # the current batch's SpatialDomain (bound copies only)
+        self.group: Any = None
+        if layout.spatial_size > 1:
+            from sparsepipe_hpc.parallel.spatial import SpatialGroup
+
+            self.group = SpatialGroup(self.spatial_comm, layout.grid, transport=transport,
+                                      overlap=overlap)
+
+    # --- who am I --------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.world.Get_rank()
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def replica(self) -> int:
+        return self.position.replica
+
+    @property
+    def num_replicas(self) -> int:
+        return self.layout.replicas
+
+    @property
+    def spatial_size(self) -> int:
+        return self.layout.spatial_size
+
+    # --- data ------------------------------------------------------------------------------------
+    def distribute(self, x: SparseTensor, *payloads: torch.Tensor, align: int = 1,
+                   ) -> tuple[SparseTensor, ...]:
+        """This rank's part of a batch every spatial rank of the replica holds in full.
+
+        Returns the local tensor (context attached) and each per-voxel payload [N, ...] (labels)
+        restricted the same way. Without spatial parallelism the batch is returned whole.
+        """
+        if self.group is None:
+            return (x.replace(context=self), *payloads)
+        domain = self.group.decompose(x, align=align, balanced=self.cuts_mode == "balanced")
+        bound = self.bind(domain)
+        keep = domain.owned_rows(x.coords)
+        local = x.replace(coords=x.coords[keep].contiguous(), feats=x.feats[keep].contiguous(),
+                          context=bound, kmaps={})
+        return (local, *(p[keep] for p in payloads))
+
+    def bind(self, spatial: Any) -> "ParallelContext":
+        c = copy.copy(self)
+        c.spatial = spatial
+        return c
+
+    # --- reductions ------------------------------------------------------------------------------
+    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce over the stage's ranks (replicas and spatial ranks)."""
+        return allreduce_(t, self.stats_comm, op)
+
+    def global_count(self, n_local: int) -> int:
+        """The sum of ``n_local`` over the stage's ranks (e.g. voxels in the global batch)."""
+        return int(self.stats_comm.allreduce(int(n_local)))
+
+    def allreduce_gradients(self, params: Sequence[torch.nn.Parameter] | torch.nn.Module) -> None:
+        """Sum gradients over every rank holding these parameters, in one flat buffer."""
+        if isinstance(params, torch.nn.Module):
+            params = list(params.parameters())
+        if self.stats_comm.Get_size() == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).contiguous()
+        allreduce_(flat, self.stats_comm)
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+    def broadcast_parameters(self, module: torch.nn.Module) -> None:
+        """Make every rank start from rank 0's parameters and buffers."""
+        if self.world.Get_size() == 1:
+            return
+        for t in list(module.parameters()) + list(module.buffers()):
+            arr = t.detach().contiguous()
+            buf = arr.numpy()
+            self.world.Bcast(buf, root=0)
+            with torch.no_grad():
+                t.copy_(torch.from_numpy(buf))

@@ -1,0 +1,207 @@
+"""Spatially parallel sparse convolution: each rank owns a box of the voxel grid (Distconv-style).
+
+    group = SpatialGroup(spatial_comm, dims=(2, 2, 1))           # once
+    domain = group.decompose(batch_x, align=model.total_stride)  # per batch: the cuts
+    # the layers then call domain.conv(layer, x, engine) whenever x.context.spatial is set
+
+A distributed convolution on one rank::
+
+    start halo exchange ──► local conv (local inputs -> local outputs) ──► wait ──► + halo conv
+         (features of boundary voxels travel to the neighbours that need them, while the
+          interior is computed; MPI is progressed by Request.test() between kernel offsets)
+
+Backward is the adjoint: the halo rows' gradients are computed first and sent back to their
+owners while the local input and weight gradients are computed, then accumulated.
+
+Which convolutions need a halo: a submanifold kernel k with dilation d reaches d*(k//2) voxels
+beyond the box. A strided convolution reads inputs [o*s - p, o*s - p + (k-1)*d] for an output o;
+with cuts aligned to every stride, kernel 2 stride 2 stays inside the box and needs none, kernel 3
+stride 2 padding 1 reaches one voxel below it. An output belongs to the rank whose box (at the
+output's stride) holds it, so a strided layer keeps only outputs in its own box, which may be
+reached by halo inputs alone. The inverse of a haloed convolution runs the same maps transposed:
+its contributions to halo rows travel back to their owners (the adjoint exchange), and its
+backward fetches those rows' gradients (the forward exchange).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from halo.kmap import KernelMap, output_coords
+from sparsepipe_hpc.engine.base import Engine
+from sparsepipe_hpc.sparse import SparseTensor
+
+__all__ = ["SpatialGroup", "SpatialDomain", "halo_radius"]
+
+
+def halo_radius(kernel_size: int, stride: int, padding: int, dilation: int, subm: bool) -> int:
+    """Voxels (at the input's stride) beyond a box that its outputs read; 0: no halo needed."""
+    if subm:
+        return dilation * (kernel_size // 2)
+    below = padding
+    above = (kernel_size - 1) * dilation - stride - padding + 1
+    return max(below, above, 0)
+
+
+@dataclass
+class DistMaps:
+    """A distributed convolution's split kernel maps and the exchange that feeds the halo rows."""
+
+    local: KernelMap          # local input rows -> local output rows
+    halo: Optional[KernelMap]  # halo rows (0..H-1) -> local output rows; None: no halo
+    exchange: Any = None
+
+
+class SpatialGroup:
+    """The ranks that share every sample of a replica: a Cartesian grid and its transport."""
+
+    def __init__(self, comm: Any, dims: Sequence[int], transport: Any = None,
+                 overlap: bool = True):
+        from halo.grid import ProcessGrid
+        from halo.transport.mpi import MPITransport
+
+        self.grid = ProcessGrid(comm, dims)
+        self.transport = transport if transport is not None else MPITransport(self.grid.comm)
+        self.overlap = overlap
+
+    def decompose(self, x: SparseTensor, align: int = 1, balanced: bool = True) -> "SpatialDomain":
+        """Cut the grid for a batch every rank of the group holds in full (collective)."""
+        from halo.cuts import balanced_cuts, uniform_cuts
+
+        extent = [n * x.stride for n in x.spatial_shape]
+        if balanced:
+            # Every rank holds the whole batch: let one rank contribute so each voxel counts once.
+            xyz = x.coords[:, 1:] * x.stride
+            if self.grid.comm.Get_rank() != 0:
+                xyz = xyz[:0]
+            cuts = balanced_cuts(self.grid.comm, xyz, extent, self.grid.dims, align=align)
+        else:
+            cuts = uniform_cuts(extent, self.grid.dims, align=align)
+        return SpatialDomain(self, cuts)
+
+
+class SpatialDomain:
+    """One batch's decomposition: the cuts, and the distributed forms of the layers."""
+
+    def __init__(self, group: SpatialGroup, cuts: Any):
+        self.group = group
+        self.grid = group.grid
+        self.cuts = cuts
+
+    def owned_rows(self, coords: torch.Tensor, stride: int = 1) -> torch.Tensor:
+        """bool [N]: rows of ``coords [N, 4]`` (at ``stride``) inside this rank's box."""
+        where = torch.as_tensor(self.cuts.locate(coords[:, 1:], stride=stride))
+        mine = torch.tensor(self.grid.coords, dtype=where.dtype)
+        return (where == mine).all(1)
+
+    # --- convolution -----------------------------------------------------------------------------
+    def conv(self, layer: Any, x: SparseTensor, engine: Engine) -> SparseTensor:
+        from sparsepipe_hpc.nn.conv import ConvEntry, inverse_entry
+
+        if layer.transposed:
+            entry = inverse_entry(layer, x)
+            maps: DistMaps = entry.extra
+            feats = _DistConv.apply(x.feats, layer.weight_matrix(), maps, engine,
+                                    self.group.overlap, True)
+            return layer.output_tensor(x, entry, feats)
+        key = layer.cache_key(x)
+        entry = x.kmaps.get(key)
+        if entry is None:
+            entry = self._build_entry(layer, x)
+            x.kmaps[key] = entry
+        feats = _DistConv.apply(x.feats, layer.weight_matrix(), entry.extra, engine,
+                                self.group.overlap, False)
+        return layer.output_tensor(x, entry, feats)
+
+    def _build_entry(self, layer: Any, x: SparseTensor) -> Any:
+        from halo.plan import build_plan
+        from halo.exchange import HaloExchange
+        from sparsepipe_hpc.nn.conv import ConvEntry
+
+        s = layer.spec
+        out_stride = x.stride * s.stride
+        radius = halo_radius(s.kernel_size, s.stride, s.padding, s.dilation, s.subm)
+        out_shape = s.out_shape(x.spatial_shape)
+        plan = None
+        if radius > 0:
+            self.cuts.check_thickness(radius, stride=x.stride)
+            plan = build_plan(self.grid, self.cuts, x.coords, radius, stride=x.stride)
+        if s.subm:
+            out = x.coords
+        else:
+            inputs = x.coords if plan is None else torch.cat([x.coords, plan.halo_coords])
+            out = output_coords(inputs, s.kernel_size, s.stride, s.padding, s.dilation, out_shape)
+            out = out[self.owned_rows(out, stride=out_stride)]
+        if plan is None:
+            from halo.kmap import kernel_map
+
+            maps = DistMaps(kernel_map(x.coords, out, s.kernel_size, s.stride, s.padding,
+                                       s.dilation), None)
+        else:
+            local, halo = plan.kernel_maps(x.coords, out, s.kernel_size, s.stride, s.padding,
+                                           s.dilation)
+            maps = DistMaps(local, halo, HaloExchange(plan, self.group.transport))
+        return ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, None, maps)
+
+
+class _DistConv(torch.autograd.Function):
+    """A convolution split into local and halo parts, with the exchange overlapped (see module)."""
+
+    @staticmethod
+    def forward(ctx, feats, weight, maps: DistMaps, engine: Engine, overlap: bool,
+                transposed: bool):
+        ctx.maps, ctx.engine, ctx.overlap, ctx.transposed = maps, engine, overlap, transposed
+        local = maps.local.transpose() if transposed else maps.local
+        if maps.halo is None:
+            ctx.save_for_backward(feats, weight, None)
+            return engine.forward(feats, weight, local)
+        halo_map = maps.halo.transpose() if transposed else maps.halo
+        if transposed:
+            # Contributions to rows the neighbours own go first, so they travel during the rest.
+            pending = maps.exchange.start_adjoint(engine.forward(feats, weight, halo_map))
+            out = _overlapped(pending, overlap, lambda p: engine.forward(feats, weight, local, p))
+            out += pending.wait()
+            ctx.save_for_backward(feats, weight, None)
+            return out
+        pending = maps.exchange.start(feats.detach())
+        out = _overlapped(pending, overlap, lambda p: engine.forward(feats, weight, local, p))
+        halo = pending.wait()
+        out += engine.forward(halo, weight, halo_map)
+        ctx.save_for_backward(feats, weight, halo)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        feats, weight, halo = ctx.saved_tensors
+        maps, engine, overlap = ctx.maps, ctx.engine, ctx.overlap
+        grad_out = grad_out.contiguous()
+        local = maps.local.transpose() if ctx.transposed else maps.local
+        if maps.halo is None:
+            g_in, g_w = engine.backward(feats, weight, grad_out, local)
+            return g_in, g_w, None, None, None, None
+        halo_map = maps.halo.transpose() if ctx.transposed else maps.halo
+        if ctx.transposed:
+            # The gradients of the halo rows live on their owners: fetch them meanwhile.
+            pending = maps.exchange.start(grad_out)
+            g_in, g_w = _overlapped(pending, overlap,
+                                    lambda p: engine.backward(feats, weight, grad_out, local, p))
+            g_halo_out = pending.wait()
+            g_in2, g_w2 = engine.backward(feats, weight, g_halo_out, halo_map)
+            return g_in + g_in2, g_w + g_w2, None, None, None, None
+        g_halo, g_w_halo = engine.backward(halo, weight, grad_out, halo_map)
+        pending = maps.exchange.start_adjoint(g_halo)
+        g_in, g_w = _overlapped(pending, overlap,
+                                lambda p: engine.backward(feats, weight, grad_out, local, p))
+        g_in += pending.wait()
+        return g_in, g_w + g_w_halo, None, None, None, None
+
+
+def _overlapped(pending: Any, overlap: bool, compute):
+    """Run ``compute(progress)`` while the exchange is in flight, or after it without overlap."""
+    if not overlap:
+        pending.wait()  # idempotent: the later wait() returns the same result at once
+        return compute(None)
+    return compute(pending.test)

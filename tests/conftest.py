@@ -1,0 +1,39 @@
+"""Shared fixtures for the single-process suites: one torch thread, seeded generators."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def pytest_report_header(config):
+    import spconv
+
+    lines = [f"torch {torch.__version__}; spconv {getattr(spconv, '__version__', '?')}; "
+             f"threads {torch.get_num_threads()}"]
+    try:
+        from mpi4py import MPI
+
+        lines.append(f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}")
+    except Exception as e:  # pragma: no cover - informational only
+        lines.append(f"MPI: unavailable ({e})")
+    return lines
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A numpy generator seeded by the test's name: the same on every run."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))

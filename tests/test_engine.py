@@ -1,0 +1,115 @@
+"""Kernel maps and both engines against spconv's own layers, and CPU thread safety."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spconv.pytorch as spconv
+from halo.kmap import coord_keys, decode_keys, kernel_map, output_coords
+from helpers import random_cloud
+from sparsepipe_hpc.engine import get_engine
+from sparsepipe_hpc.engine.spconv_engine import patch_spconv
+
+ENGINES = ["torch", "spconv"]
+
+
+def spconv_rows(ref_coords: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
+    """Permutation p with ref_coords[p] == ours."""
+    order = torch.argsort(coord_keys(ref_coords))
+    pos = torch.searchsorted(coord_keys(ref_coords)[order], coord_keys(ours))
+    return order[pos]
+
+
+def test_keys_round_trip(gen):
+    c = torch.cat([torch.randint(0, 300, (100, 1), generator=gen),
+                   torch.randint(-1000, 100000, (100, 3), generator=gen)], 1).int()
+    assert torch.equal(decode_keys(coord_keys(c)), c)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("k,d", [(3, 1), (3, 2), (5, 1), (1, 1)])
+def test_submanifold_matches_spconv(gen, engine, k, d):
+    patch_spconv()
+    x = random_cloud(gen, 600)
+    ref = spconv.SubMConv3d(4, 5, k, dilation=d, bias=False).double()
+    y_ref = ref(x.to_spconv()).features
+    km = kernel_map(x.coords, x.coords, k, 1, d * (k // 2), d)
+    w = ref.weight.detach().reshape(5, k ** 3, 4)
+    if k == 1:  # spconv's 1x1 path reads the same storage as [C_in, C_out] (see nn/conv.py)
+        w = ref.weight.detach().view(4, 5).t().reshape(5, 1, 4)
+    y = get_engine(engine).forward(x.feats, w, km)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 2, 1), (3, 1, 0), (2, 1, 0)])
+def test_strided_and_inverse_match_spconv(gen, engine, k, s, p):
+    patch_spconv()
+    x = random_cloud(gen, 500)
+    eng = get_engine(engine)
+    down = spconv.SparseConv3d(4, 6, k, stride=s, padding=p, bias=False, indice_key="d").double()
+    inv = spconv.SparseInverseConv3d(6, 4, k, indice_key="d", bias=False).double()
+    mid = down(x.to_spconv())
+    out_shape = mid.spatial_shape
+    oc = output_coords(x.coords, k, s, p, 1, out_shape)
+    assert len(oc) == len(mid.indices)
+    perm = spconv_rows(mid.indices, oc)
+    assert torch.equal(mid.indices[perm], oc)
+    km = kernel_map(x.coords, oc, k, s, p, 1)
+    y = eng.forward(x.feats, down.weight.detach().reshape(6, k ** 3, 4), km)
+    torch.testing.assert_close(y, mid.features[perm], rtol=1e-12, atol=1e-12)
+    z_ref = inv(mid).features
+    z = eng.forward(mid.features[perm].detach(), inv.weight.detach().reshape(4, k ** 3, 6),
+                    km.transpose())
+    torch.testing.assert_close(z, z_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_engines_agree_on_gradients(gen):
+    x = random_cloud(gen, 800, channels=7)
+    km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
+    w = torch.randn(9, 27, 7, generator=gen, dtype=torch.float64)
+    g = torch.randn(km.n_out, 9, generator=gen, dtype=torch.float64)
+    a = get_engine("torch").backward(x.feats, w, g, km)
+    b = get_engine("spconv").backward(x.feats, w, g, km)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-12, atol=1e-12)
+
+
+def test_torch_engine_gradient_is_adjoint(gen):
+    """<conv(x), r> == <x, conv^T(r)>: the input gradient is the exact adjoint of the forward."""
+    x = random_cloud(gen, 300, channels=3)
+    km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
+    w = torch.randn(2, 27, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    feats = x.feats.clone().requires_grad_()
+    from sparsepipe_hpc.nn.functional import sparse_conv
+
+    y = sparse_conv(feats, w, km, get_engine("torch"))
+    r = torch.randn_like(y)
+    (y * r).sum().backward()
+    lhs = (y * r).sum()
+    rhs = (feats.grad * feats).sum()
+    torch.testing.assert_close(lhs, rhs, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_correct_with_two_threads(gen, engine):
+    """spconv's CPU kernels race with >1 thread; the project's paths must stay exact at 2."""
+    x = random_cloud(gen, 4000, shape=(24, 24, 24), channels=16)
+    km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
+    w = torch.randn(16, 27, 16, generator=gen, dtype=torch.float64)
+    g = torch.randn(km.n_out, 16, generator=gen, dtype=torch.float64)
+    eng = get_engine(engine)
+    ref_y = get_engine("torch").forward(x.feats, w, km)
+    ref_g = get_engine("torch").backward(x.feats, w, g, km)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(3):
+            torch.testing.assert_close(eng.forward(x.feats, w, km), ref_y, rtol=1e-10, atol=1e-10)
+            gi, gw = eng.backward(x.feats, w, g, km)
+            torch.testing.assert_close(gi, ref_g[0], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(gw, ref_g[1], rtol=1e-10, atol=1e-10)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads

@@ -1,0 +1,112 @@
+"""Serial layers against spconv and torch references; models' shapes and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spconv.pytorch as spconv
+from helpers import random_cloud
+from sparsepipe_hpc.engine.spconv_engine import patch_spconv
+from sparsepipe_hpc.nn import (BatchNorm, ConvError, GlobalPool, SparseConv3d,
+                               SparseInverseConv3d, SparseResNet, SparseUNet, SubMConv3d)
+
+
+@pytest.mark.parametrize("engine", ["torch", "spconv"])
+def test_conv_layers_match_spconv_forward_and_backward(gen, engine):
+    patch_spconv()
+    x = random_cloud(gen, 700, channels=4)
+    ours = [SubMConv3d(4, 6, 3, engine=engine), SparseConv3d(6, 8, 2, 2, indice_key="a", engine=engine),
+            SparseInverseConv3d(8, 5, 2, indice_key="a", engine=engine)]
+    ref = [spconv.SubMConv3d(4, 6, 3, bias=False), spconv.SparseConv3d(6, 8, 2, 2, bias=False, indice_key="a"),
+           spconv.SparseInverseConv3d(8, 5, 2, indice_key="a", bias=False)]
+    for a, b in zip(ours, ref):
+        a.double()
+        b.double()
+        b.weight.data.copy_(a.weight.data)
+    f1 = x.feats.clone().requires_grad_()
+    f2 = x.feats.clone().requires_grad_()
+    y1 = x.replace(feats=f1)
+    y2 = x.replace(feats=f2).to_spconv()
+    for a, b in zip(ours, ref):
+        y1, y2 = a(y1), b(y2)
+    assert torch.equal(y1.coords, y2.indices)  # the inverse lands on the input's rows, in order
+    torch.testing.assert_close(y1.feats, y2.features, rtol=1e-12, atol=1e-12)
+    r = torch.randn(y1.feats.shape, generator=gen, dtype=torch.float64)
+    (y1.feats * r).sum().backward()
+    (y2.features * r).sum().backward()
+    torch.testing.assert_close(f1.grad, f2.grad, rtol=1e-11, atol=1e-11)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.weight.grad, b.weight.grad, rtol=1e-11, atol=1e-11)
+
+
+def test_batchnorm_matches_torch(gen):
+    x = random_cloud(gen, 300, channels=5)
+    ours = BatchNorm(5).double()
+    ref = torch.nn.BatchNorm1d(5).double()
+    f1 = x.feats.clone().requires_grad_()
+    f2 = x.feats.clone().requires_grad_()
+    y1 = ours(x.replace(feats=f1)).feats
+    y2 = ref(f2)
+    torch.testing.assert_close(y1, y2)
+    r = torch.randn(y1.shape, generator=gen, dtype=torch.float64)
+    (y1 * r).sum().backward()
+    (y2 * r).sum().backward()
+    torch.testing.assert_close(f1.grad, f2.grad)
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(ours.running_var, ref.running_var)
+    ours.eval()
+    ref.eval()
+    torch.testing.assert_close(ours(x).feats, ref(x.feats))
+
+
+@pytest.mark.parametrize("mode", ["avg", "max"])
+def test_global_pool(gen, mode):
+    x = random_cloud(gen, 200, batch=3, channels=4)
+    f = x.feats.clone().requires_grad_()
+    y = GlobalPool(mode)(x.replace(feats=f))
+    b = x.coords[:, 0].long()
+    ref = torch.stack([(f[b == i].mean(0) if mode == "avg" else f[b == i].max(0).values)
+                       for i in range(3)])
+    torch.testing.assert_close(y, ref)
+    y.sum().backward()
+    if mode == "avg":
+        counts = torch.bincount(b, minlength=3).double()
+        torch.testing.assert_close(f.grad, (1 / counts)[b][:, None].expand(-1, 4))
+    else:
+        assert f.grad.sum().item() == pytest.approx(12.0)  # one winner per sample and channel
+
+
+def test_max_pool_ties_go_to_smallest_coordinate():
+    from sparsepipe_hpc.sparse import SparseTensor
+
+    coords = torch.tensor([[0, 3, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0]], dtype=torch.int32)
+    f = torch.zeros(3, 1, requires_grad=True)
+    GlobalPool("max")(SparseTensor(coords, f, (4, 4, 4), 1)).sum().backward()
+    assert f.grad[:, 0].tolist() == [0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("engine", ["torch", "spconv"])
+def test_models_forward_backward_shapes(gen, engine):
+    x = random_cloud(gen, 1500, shape=(32, 32, 32), batch=2, channels=3, dtype=torch.float32)
+    unet = SparseUNet(3, 7, width=8, depth=3, engine=engine)
+    assert unet.total_stride == 8
+    y = unet(x)
+    assert y.feats.shape == (x.num_voxels, 7) and torch.equal(y.coords, x.coords)
+    y.feats.sum().backward()
+    assert all(p.grad is not None for p in unet.parameters())
+    net = SparseResNet(3, 5, width=8, depth=2, engine=engine)
+    logits = net(x)
+    assert logits.shape == (2, 5)
+    logits.sum().backward()
+    assert all(p.grad is not None for p in net.parameters())
+
+
+def test_conv_errors_name_the_problem(gen):
+    x = random_cloud(gen, 50, channels=4, dtype=torch.float32)
+    with pytest.raises(ConvError, match="expects 3 input channels"):
+        SubMConv3d(3, 4)(x)
+    with pytest.raises(ConvError, match="odd kernel_size"):
+        SubMConv3d(3, 4, kernel_size=2)
+    with pytest.raises(ConvError, match="indice_key"):
+        SparseInverseConv3d(4, 4, 2, indice_key="nowhere")(x)
