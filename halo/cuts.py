@@ -135,17 +135,14 @@ class Cuts:
         if xyz.ndim != 2 or xyz.shape[1] != 3:
             raise CutError(f"locate: xyz has shape {tuple(xyz.shape)}; expected [N, 3] (x, y, z)"
                            f" - pass coords[:, 1:] for (batch, x, y, z) rows")
-        cols = []
-        for a in range(3):
-            inner = self.axis_bounds(a, stride)[1:-1]
-            if isinstance(xyz, torch.Tensor):
-                t = torch.from_numpy(inner).to(xyz.device)
-                cols.append(torch.searchsorted(t, xyz[:, a].long().contiguous(), right=True))
-            else:
-                cols.append(np.searchsorted(inner, np.asarray(xyz[:, a], np.int64), side="right"))
+        inner = [self.axis_bounds(a, stride)[1:-1] for a in range(3)]
         if isinstance(xyz, torch.Tensor):
-            return torch.stack(cols, 1)
-        return np.stack(cols, 1).astype(np.int64).reshape(-1, 3)
+            return torch.stack([torch.searchsorted(torch.from_numpy(inner[a]).to(xyz.device),
+                                                   xyz[:, a].long().contiguous(), right=True)
+                                for a in range(3)], 1)
+        x = np.asarray(xyz, np.int64)
+        return np.stack([np.searchsorted(inner[a], x[:, a], side="right") for a in range(3)],
+                        1).astype(np.int64).reshape(-1, 3)
 
     def count(self, xyz: ArrayLike, stride: int = 1) -> np.ndarray:
         """int64 array of shape ``dims``: how many of the voxels ``xyz [N, 3]`` each box owns."""
@@ -192,7 +189,7 @@ def _check_extent_dims(extent: Sequence[int], dims: Sequence[int], align: int) -
 def _units_check(axis: int, extent: int, n: int, align: int, min_units: int) -> int:
     """Number of align-units on the axis; CutError when ``n`` boxes of ``min_units`` do not fit."""
     units = _ceil_div(extent, align)
-    if n * min_units > units:
+    if n > 1 and n * min_units > units:  # a single box is the whole extent, however thin
         raise CutError(
             f"axis {AXES[axis]}: extent {extent} voxels is {units} unit(s) of align {align}, too few "
             f"for {n} boxes of at least {min_units * align} voxels each; use fewer ranks along "

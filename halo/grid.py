@@ -72,6 +72,13 @@ class ProcessGrid:
             raise GridError(f"grid position {c} is outside the grid {self.dims}")
         return grid_rank(c, self.dims)
 
+    def coords_of(self, rank: int) -> tuple[int, int, int]:
+        """Grid position of ``rank``."""
+        if not 0 <= rank < self.size:
+            raise GridError(f"rank {rank} is outside the grid's {self.size} ranks")
+        d = self.dims
+        return (rank // (d[1] * d[2]), (rank // d[2]) % d[1], rank % d[2])
+
     def neighbours(self) -> list[tuple[int, tuple[int, int, int]]]:
         """The up to 26 adjacent ranks (faces, edges, corners) as (rank, direction), ascending rank.
 
@@ -84,7 +91,7 @@ class ProcessGrid:
                 continue
             c = tuple(a + b for a, b in zip(self.coords, d))
             if all(0 <= v < n for v, n in zip(c, self.dims)):
-                out.append((grid_rank(c, self.dims), d))
+                out.append((grid_rank(c, self.dims), (d[0], d[1], d[2])))
         return sorted(out)
 
     def free(self) -> None:

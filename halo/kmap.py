@@ -110,12 +110,13 @@ class KernelMap:
         if self._spconv is None:
             counts = (self.ptr[1:] - self.ptr[:-1]).to(torch.int32)
             width = max(int(counts.max()) if len(counts) else 0, 1)
-            pairs = torch.full((2, self.num_offsets, width), -1, dtype=torch.int32,
-                               device=self.in_rows.device)
-            for k in range(self.num_offsets):
-                i, o = self.pairs(k)
-                pairs[0, k, :len(i)] = i.int()
-                pairs[1, k, :len(o)] = o.int()
+            dev = self.in_rows.device
+            pairs = torch.full((2, self.num_offsets, width), -1, dtype=torch.int32, device=dev)
+            k = torch.repeat_interleave(torch.arange(self.num_offsets, device=dev),
+                                        counts.long().to(dev))
+            pos = torch.arange(self.num_pairs, device=dev) - self.ptr.to(dev)[k]
+            pairs[0, k, pos] = self.in_rows.int()
+            pairs[1, k, pos] = self.out_rows.int()
             self._spconv = (pairs, counts.to(self.in_rows.device))
         return self._spconv
 

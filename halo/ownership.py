@@ -38,7 +38,7 @@ def owner_ranks(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, stride: int
     if coords.ndim != 2 or coords.shape[1] != 4:
         raise OwnershipError(f"coords has shape {tuple(coords.shape)}; expected [N, 4] "
                              f"(batch, x, y, z)")
-    g = cuts.locate(coords[:, 1:], stride)
+    g = torch.as_tensor(cuts.locate(coords[:, 1:], stride))
     d = grid.dims
     return (g[:, 0] * d[1] + g[:, 1]) * d[2] + g[:, 2]
 
@@ -161,7 +161,7 @@ def gather(grid: ProcessGrid, coords: torch.Tensor, *payloads: torch.Tensor,
     for t in (coords,) + payloads:
         rows = _rows_as_bytes(t)
         rb = rows.shape[1]
-        if grid.rank == root:
+        if counts is not None:  # the root
             recv = np.empty((int(counts.sum()), rb), np.uint8)
             cnt = counts * rb
             dsp = np.concatenate([[0], np.cumsum(cnt)[:-1]])

@@ -1,8 +1,8 @@
-"""Starting sparsepipe_hpc on a laptop, one node or a cluster: who am I, which GPU, how many threads.
+"""Start sparsepipe_hpc on a laptop, one node or a cluster: who am I, which GPU, how many threads.
 
 Usage::
 
-    python -m launch info                                   # one line per rank: rank, node, GPU, threads
+    python -m launch info                                   # one line per rank
     mpirun -n 4 python -m launch run -m sparsepipe_hpc.train ...   # abort all ranks on an exception
     python -m launch job --scheduler slurm --nodes 4 --gpus-per-node 8 -- --epochs 10 > job.sh
 

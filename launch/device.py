@@ -15,8 +15,8 @@ ways schedulers hand out GPUs:
 * every rank of a node sees all the node's GPUs (``mpirun``; ``srun`` with ``--gpus-per-node``):
   local rank ``r`` of a node with ``g`` visible GPUs gets ``r % g``, so 4 ranks on 4 GPUs get one
   each, and 8 ranks on 4 GPUs share two per GPU;
-* the scheduler gives each rank its own GPU (``srun --gpus-per-task=1``, PBS ``CUDA_VISIBLE_DEVICES``
-  per rank): one device is visible, and every rank gets index 0 -- its own GPU.
+* the scheduler gives each rank its own GPU (``srun --gpus-per-task=1``, a per-rank
+  ``CUDA_VISIBLE_DEVICES``): one device is visible, and every rank gets index 0 -- its own GPU.
 
 Nothing here imports torch or CuPy at module import; counting devices imports torch lazily and never
 creates a CUDA context (``torch.cuda.device_count`` asks NVML), so it is safe before ``fork``.
@@ -56,9 +56,18 @@ def visible_devices(value: str | None = None) -> list[str] | None:
     return entries
 
 
+# Device files of a GPU driver (NVIDIA; AMD's for ROCm builds of torch, which answer torch.cuda).
+_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd")
+
+
 def visible_gpu_count() -> int:
-    """CUDA devices this process can use (after ``CUDA_VISIBLE_DEVICES``); 0 without CUDA."""
+    """CUDA devices this process can use (after ``CUDA_VISIBLE_DEVICES``); 0 without CUDA.
+
+    Without a GPU driver on the machine the answer is 0 at once, without importing torch.
+    """
     if visible_devices() == []:
+        return 0
+    if "torch" not in sys.modules and not any(os.path.exists(f) for f in _DRIVER_FILES):
         return 0
     try:
         import torch
@@ -67,7 +76,7 @@ def visible_gpu_count() -> int:
     except Exception:  # no torch, or a CUDA driver that fails: try CuPy, then give up
         pass
     try:
-        import cupy
+        import cupy  # type: ignore[import-not-found]
 
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:
@@ -91,7 +100,7 @@ def select_gpu(placement: Placement, count: int | None = None) -> int | None:
 
 
 def physical_gpu(index: int | None) -> str:
-    """What the driver calls device ``index``: its ``CUDA_VISIBLE_DEVICES`` entry, else the index."""
+    """The driver's name for device ``index``: its ``CUDA_VISIBLE_DEVICES`` entry, or the index."""
     if index is None:
         return "-"
     entries = visible_devices()

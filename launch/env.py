@@ -25,9 +25,10 @@ Launchers recognised, first match wins (``Placement.launcher`` in brackets)::
 
 The order matters. An ``mpirun`` inside a SLURM or PBS job starts its daemons with ``srun`` or the
 PBS task manager, so every rank inherits the *daemon's* ``SLURM_PROCID`` (its node number, not the
-rank): the MPI launcher's own variables are read before the scheduler's. SLURM's variables count only
-inside a job step (``SLURM_STEP_ID`` set): a batch script's own ``SLURM_PROCID=0``/``SLURM_NTASKS``
-describe the allocation, not a running step. Intel MPI is told from MPICH by its ``I_MPI_*`` variables.
+rank): the MPI launcher's own variables are read before the scheduler's. SLURM's variables count
+only inside a job step (``SLURM_STEP_ID`` set): a batch script's own ``SLURM_PROCID=0`` and
+``SLURM_NTASKS`` describe the allocation, not a running step. Intel MPI is told from MPICH by its
+``I_MPI_*`` variables.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ class Placement:
             raise LaunchError(f"{self.launcher}: rank {self.rank} is outside the world of "
                               f"size {self.size} (need 0 <= rank < size)")
         if not 0 <= self.local_rank < self.local_size:
-            raise LaunchError(f"{self.launcher}: local rank {self.local_rank} is outside the node's "
-                              f"{self.local_size} ranks (need 0 <= local_rank < local_size)")
+            raise LaunchError(f"{self.launcher}: local rank {self.local_rank} is outside the "
+                              f"node's {self.local_size} ranks (need 0 <= local_rank < local_size)")
         if self.local_size > self.size:
             raise LaunchError(f"{self.launcher}: local size {self.local_size} exceeds the world "
                               f"size {self.size}")
@@ -264,12 +265,13 @@ def from_environ(env: Mapping[str, str] | None = None) -> Placement | None:
 
 def _world() -> Any:
     """``MPI.COMM_WORLD`` when mpi4py is importable and MPI is initialized, else ``None``."""
-    mpi = sys.modules.get("mpi4py.MPI")
+    mpi: Any = sys.modules.get("mpi4py.MPI")
     if mpi is None:
         try:
-            from mpi4py import MPI as mpi  # initializes MPI unless mpi4py.rc says otherwise
+            import mpi4py.MPI  # initializes MPI unless mpi4py.rc says otherwise
         except ImportError:
             return None
+        mpi = mpi4py.MPI
     if not mpi.Is_initialized() or mpi.Is_finalized():
         return None
     return mpi.COMM_WORLD
@@ -301,12 +303,13 @@ def from_comm(comm: MPI.Intracomm) -> Placement:
 def detect(comm: MPI.Intracomm | None = None) -> Placement:
     """This process's placement: the launcher's variables, else a split of the communicator.
 
-    ``comm``: the communicator to split when no launcher is recognised (default ``COMM_WORLD`` when
-    mpi4py is importable and MPI initialized). When ``comm`` is given and its size differs from the
-    world size the variables state (a batch script's leftover ``SLURM_NTASKS`` seen by a lone
-    process, say), the variables are ignored and ``comm`` is split; the result's ``note`` says so.
-    The split is **collective** over ``comm``; the variable path communicates nothing. Without
-    launcher variables and without MPI, the result is a lone process (``launcher="none"``).
+    ``comm``: the communicator to split when no launcher is recognised (default ``COMM_WORLD``;
+    importing mpi4py for it initializes MPI, as any use of mpi4py does). When ``comm`` is given
+    and its size differs from the world size the variables state (say, a leftover
+    ``SLURM_NTASKS`` seen by a lone process), the variables are ignored and ``comm`` is split; the
+    result's ``note`` says so. The split is **collective** over ``comm``; the variable path
+    communicates nothing. Without launcher variables and without mpi4py, the result is a lone
+    process (``launcher="none"``).
     """
     found = from_environ(os.environ)
     if found is not None:

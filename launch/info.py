@@ -7,8 +7,8 @@ Usage::
 
 prints one line per rank, gathered to rank 0 and printed in rank order::
 
-    rank 0/4 local 0/4 node gpu07 (#0) via slurm gpu 0 (physical 0, 4 visible) threads 8 cpus 0-7 pid 4121
-    rank 1/4 local 1/4 node gpu07 (#0) via slurm gpu 1 (physical 1, 4 visible) threads 8 cpus 8-15 pid 4122
+    rank 0/4 local 0/4 node gpu07 (#0) via slurm gpu 0 (physical 0, 4 visible) threads 8 ...
+    rank 1/4 local 1/4 node gpu07 (#0) via slurm gpu 1 (physical 1, 4 visible) threads 8 ...
 
 followed, on stderr, by warnings for what looks wrong: two ranks on one GPU, more threads than cores
 on a node, launcher variables that disagree with MPI.
@@ -63,7 +63,9 @@ def summary(placement: Placement, mpi_rank: int | None = None,
 
 def format_line(info: dict[str, Any]) -> str:
     """The one-line form of a :func:`summary`."""
-    where = info["node"] if info["node_index"] is None else f"{info['node']} (#{info['node_index']})"
+    where = info["node"]
+    if info["node_index"] is not None:
+        where += f" (#{info['node_index']})"
     gpu = ("-" if info["gpu"] is None else
            f"{info['gpu']} (physical {info['gpu_physical']}, {info['visible_gpus']} visible)")
     line = (f"rank {info['rank']}/{info['size']} local {info['local_rank']}/{info['local_size']} "
@@ -77,7 +79,7 @@ def format_line(info: dict[str, Any]) -> str:
 
 
 def problems(infos: Sequence[dict[str, Any]]) -> list[str]:
-    """What looks wrong across all ranks' summaries: shared GPUs, oversubscribed cores, mismatches."""
+    """What looks wrong across the ranks' summaries: shared GPUs, busy cores, mismatches."""
     found: list[str] = []
     by_gpu: dict[tuple[str, str], list[int]] = defaultdict(list)
     by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)

@@ -20,8 +20,8 @@ editable install or a checkout), else from ``--templates DIR`` or ``$SPARSEPIPE_
 A plan (JSON, from the planner) gives at least ``nodes``, ``gpus_per_node`` (or ``ranks_per_node``),
 ``grid`` ``[x, y, z]``, ``replicas`` and ``stages``; its layout must fill the job exactly
 (``replicas * stages * x * y * z == nodes * gpus_per_node``), and it adds ``--grid x,y,z
---replicas R --stages S`` (and ``--micro-batches M`` when the plan has ``micro_batches``) before the
-trainer arguments given after ``--``.
+--replicas R`` (plus ``--stages S`` when S > 1 and ``--micro-batches M`` when the plan has
+``micro_batches``) before the trainer arguments given after ``--``.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _check_count(name: str, value: object, minimum: int) -> None:
 
 
 def load_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and check a plan file: nodes, gpus_per_node (or ranks_per_node), grid, replicas, stages."""
+    """Read and check a plan: nodes, gpus_per_node (or ranks_per_node), grid, replicas, stages."""
     try:
         with open(path, encoding="utf-8") as handle:
             plan = json.load(handle)
@@ -191,9 +191,14 @@ def load_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def plan_trainer_args(plan: Mapping[str, Any]) -> list[str]:
-    """The trainer options a plan implies: ``--grid x,y,z --replicas R --stages S [...]``."""
-    args = ["--grid", ",".join(map(str, plan["grid"])), "--replicas", str(plan["replicas"]),
-            "--stages", str(plan["stages"])]
+    """The trainer options a plan implies: ``--grid x,y,z --replicas R [--stages S ...]``.
+
+    ``--stages`` only for a pipelined plan (stages > 1) and ``--micro-batches`` only when the plan
+    has ``micro_batches``, so that plans without a pipeline run on a trainer without one.
+    """
+    args = ["--grid", ",".join(map(str, plan["grid"])), "--replicas", str(plan["replicas"])]
+    if plan["stages"] > 1:
+        args += ["--stages", str(plan["stages"])]
     if "micro_batches" in plan:
         args += ["--micro-batches", str(plan["micro_batches"])]
     return args
@@ -313,6 +318,8 @@ def context(spec: JobSpec, command: str = "") -> dict[str, str]:
         "queue_directive": directive[1].format(spec.queue) if spec.queue else "",
         "mpiexec": _mpiexec(spec, cpus),
         "mpirun": _mpirun(spec),
+        "mpirun_root": ('if [ "$(id -u)" -eq 0 ]; then MPIRUN+=(--allow-run-as-root); fi'
+                        if spec.mpi == "openmpi" else ""),
         "module": spec.module,
         "trainer_args": shlex.join(spec.trainer_args),
         "command": (command or "(library call)").replace("\n", "\\n"),
@@ -346,7 +353,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--ranks-per-node", type=int,
         help=f"CPU-only ranks per node (default {DEFAULT_CPU_RANKS_PER_NODE})")
     add("--cpus-per-rank", type=int,
-        help=f"CPU cores (threads) per rank (default {DEFAULT_CPUS_PER_RANK}; local: cores / ranks)")
+        help=f"CPU cores (threads) per rank (default {DEFAULT_CPUS_PER_RANK}; "
+             "local: cores / ranks)")
     add("--time", default="01:00:00", help="wall-clock limit HH:MM:SS (default 01:00:00)")
     add("--account", help="account / project to charge (#SBATCH --account, #PBS -A)")
     add("--partition", "--queue", dest="queue", help="partition (SLURM) or queue (PBS)")
@@ -357,7 +365,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--signal-lead", type=int, default=120,
         help="SLURM: seconds before the time limit to send SIGTERM for a last checkpoint")
     add("--plan", help="plan JSON from the planner: nodes, gpus_per_node, grid, replicas, stages")
-    add("--templates", help=f"the jobs/ folder (default: beside the package, or ${TEMPLATES_VARIABLE})")
+    add("--templates",
+        help=f"the jobs/ folder (default: beside the package, or ${TEMPLATES_VARIABLE})")
     return parser
 
 

@@ -14,9 +14,10 @@ Usage::
 Why: when one rank dies of an exception, the others wait forever in their next collective, and the
 job burns its allocation until the wall-clock limit. The hook prints the traceback with the rank on
 every line (``[rank 1] Traceback ...``), flushes, and calls ``MPI.COMM_WORLD.Abort(1)``, which ends
-every rank. A rank that exits with ``sys.exit(code != 0)`` under ``python -m launch run`` ends the job
-too (with ``code``), as in ``python -m mpi4py``. With one rank, or before MPI is initialized, the
-process exits with status 1 and the launcher (``mpirun``, ``srun --kill-on-bad-exit``) ends the rest.
+every rank. A rank that exits with ``sys.exit(code != 0)`` under ``python -m launch run`` ends the
+job too (with ``code``), as in ``python -m mpi4py``. With one rank, or before MPI is initialized,
+the process exits with status 1 and the launcher (``mpirun``, ``srun --kill-on-bad-exit``) ends the
+rest.
 
 SIGTERM: schedulers send it before killing a job (SLURM at the time limit, or earlier with
 ``#SBATCH --signal=TERM@120``; PBS at the wall-time limit, ``kill_delay`` seconds before SIGKILL).
@@ -105,12 +106,13 @@ def _say(rank: int, text: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # Abort on an uncaught exception
 
-_RUNNER_FILES = ("<frozen runpy>", runpy.__file__, os.path.join(os.path.dirname(__file__), "run.py"),
-                 os.path.join(os.path.dirname(__file__), "__main__.py"))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_RUNNER_FILES = ("<frozen runpy>", runpy.__file__, os.path.join(_HERE, "run.py"),
+                 os.path.join(_HERE, "__main__.py"))
 
 
 def _trim(tb: TracebackType | None) -> TracebackType | None:
-    """Drop the leading frames of runpy and of this runner, so the traceback starts at the target."""
+    """Drop the leading frames of runpy and of this runner: the traceback starts at the target."""
     first = tb
     while tb is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
         tb = tb.tb_next
@@ -140,7 +142,7 @@ def abort_on_exception(comm: MPI.Comm | None = None) -> None:
 
 
 def _abort_on_exit_status(code: object) -> None:
-    """On ``sys.exit(code)`` with a failing code in a live multi-rank world, abort the job at exit."""
+    """On ``sys.exit(code)``, code != 0, in a live multi-rank world: abort the job at exit."""
     if code is None or code == 0:
         return
     status = code if isinstance(code, int) else 1

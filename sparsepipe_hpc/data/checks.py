@@ -61,7 +61,8 @@ def require_dataset(f: h5py.Group, path: str | Path, name: str) -> h5py.Dataset:
         have = sorted(f.keys())[:10]
         raise DataFormatError(f"{path}: missing dataset '{name}' (under {where}: {have})")
     if not isinstance(obj, h5py.Dataset):
-        raise DataFormatError(f"{path}: '{obj.name}' must be a dataset; it is a {type(obj).__name__}")
+        raise DataFormatError(f"{path}: '{obj.name}' must be a dataset; it is a "
+                              f"{type(obj).__name__}")
     return obj
 
 

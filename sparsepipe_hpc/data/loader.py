@@ -3,15 +3,15 @@
     ds = SceneDataset(default_data("seg"), "train")
     origin, shape = grid_for(ds, voxel_size=0.05)        # the same for every sample and rank
     batches = ShardedBatches(len(ds), batch_size=8, replicas=R, rank=r, seed=0)
-    g = torch.Generator().manual_seed(1234)
     for idx in batches:
-        batch = collate([ds[i] for i in idx], 0.05, origin, shape, augment=True, generator=g)
+        batch = collate([ds[i] for i in idx], 0.05, origin, shape, augment=True,
+                        generator=batches.sample_generators(idx))
         logits = net(batch.x)                           # [N, K], one row per voxel
         loss = F.cross_entropy(logits, batch.labels)
 
 Batch contract (B samples, N voxels in all):
     x.coords        int32 [N, 4]  (batch, x, y, z), global voxel indices of the grid
-                    ``origin + index * voxel_size``; rows of sample b are ``offsets[b]:offsets[b+1]``
+                    ``origin + index * voxel_size``; sample b's rows: ``offsets[b]:offsets[b+1]``
     x.feats         float32 [N, C] mean point feature per voxel
     labels          int64 [N] majority point label per voxel (segmentation), or [B] (classification)
     offsets         int64 [B + 1] voxel row offsets per sample
@@ -93,7 +93,7 @@ def grid_for(dataset: _HasBounds | Sequence[_HasBounds], voxel_size: float, mult
     n = last - first + 1
     padded = -(-n // multiple) * multiple
     first -= (padded - n) // 2  # pad evenly so that the grid's centre stays near the data's
-    origin = tuple(float(i * voxel_size) for i in first)
+    origin = tuple(round(float(i * voxel_size), 9) for i in first)  # -1.2, not -1.2000000000000002
     return origin, tuple(int(s) for s in padded)  # type: ignore[return-value]
 
 
@@ -125,25 +125,33 @@ def augment_points(points: torch.Tensor, origin: Sequence[float], spatial_shape:
 
 def collate(samples: Sequence[Sample], voxel_size: float, origin: Sequence[float],
             spatial_shape: Sequence[int], augment: bool = False,
-            generator: Optional[torch.Generator] = None, *, jitter: float = 0.005,
-            clip: Optional[bool] = None) -> Batch:
+            generator: torch.Generator | Sequence[torch.Generator] | None = None, *,
+            jitter: float = 0.005, clip: Optional[bool] = None) -> Batch:
     """Voxelize ``samples`` against the global grid and batch them (see :class:`Batch`).
 
-    ``augment`` (training only) applies :func:`augment_points` drawing from ``generator``. Points
+    ``augment`` (training only) applies :func:`augment_points` drawing from ``generator``: one
+    generator for the batch, or one per sample (``ShardedBatches.sample_generators``: then a
+    sample's augmentation depends only on (seed, epoch, sample), not on the replica count). Points
     off the grid raise, unless ``clip`` (default: ``augment``, since jitter may push a point over
     the edge) drops them. Segmentation samples give per-voxel majority labels, classification
     samples one label each; a batch may not mix the two.
     """
     if len(samples) == 0:
         raise ValueError("collate: got no samples; a batch needs at least one")
+    per_sample = isinstance(generator, (list, tuple))
+    if per_sample and len(generator) != len(samples):  # type: ignore[arg-type]
+        raise ValueError(f"collate: got {len(generator)} generators for "  # type: ignore[arg-type]
+                         f"{len(samples)} samples; pass one per sample or a single one")
     clip = augment if clip is None else clip
     seg = samples[0].labels is not None
     channels = samples[0].feats.shape[1]
     voxels, point_labels = [], []
-    for s in samples:
+    for k, s in enumerate(samples):
         if (s.labels is not None) != seg:
-            raise ValueError(f"collate: sample {s.name!r} is a {'segmentation' if not seg else 'classification'} "
-                             f"sample but {samples[0].name!r} is not; a batch holds one kind")
+            kinds = ("classification", "segmentation") if seg else ("segmentation",
+                                                                     "classification")
+            raise ValueError(f"collate: sample {s.name!r} is a {kinds[0]} sample but "
+                             f"{samples[0].name!r} is a {kinds[1]} one; a batch holds one kind")
         if s.feats.shape != (s.num_points, channels):
             raise ValueError(f"collate: sample {s.name!r} has feats {tuple(s.feats.shape)}; "
                              f"expected [{s.num_points}, {channels}] like {samples[0].name!r}")
@@ -151,7 +159,8 @@ def collate(samples: Sequence[Sample], voxel_size: float, origin: Sequence[float
             raise ValueError(f"collate: sample {s.name!r} has neither labels nor label")
         pts = torch.as_tensor(np.asarray(s.points), dtype=torch.float64)
         if augment:
-            pts = augment_points(pts, origin, spatial_shape, voxel_size, generator, jitter)
+            g = generator[k] if per_sample else generator  # type: ignore[index]
+            pts = augment_points(pts, origin, spatial_shape, voxel_size, g, jitter)
         labels = torch.as_tensor(np.asarray(s.labels), dtype=torch.int64) if seg else None
         voxels.append(voxelize(pts, s.feats, voxel_size, origin, spatial_shape, labels=labels,
                                clip=clip, name=f"sample {s.name!r}"))

@@ -120,7 +120,8 @@ class SceneDataset:
                                   "(is this a scene file? ModelNet files go to ModelNetDataset)")
         version = f.attrs.get("version")
         if version is None or np.asarray(version).dtype.kind not in "iu" or int(version) != VERSION:
-            raise DataFormatError(f"{p}: root attribute 'version' must be {VERSION}; got {version!r}")
+            raise DataFormatError(f"{p}: root attribute 'version' must be {VERSION}; "
+                                  f"got {version!r}")
         self.class_names = read_str_list(p, f, "class_names")
         if not self.class_names:
             raise DataFormatError(f"{p}: attribute 'class_names' must list at least one class")

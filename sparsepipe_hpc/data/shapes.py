@@ -5,8 +5,8 @@
     area("cone", {"r": 0.3, "h": 0.8})                              # m^2, to share points by area
 
 Every shape is sampled uniformly by area (the torus by rejection) in a resting frame: centred on the
-z axis, lowest point on z = 0, so that placing it on a floor or a box top is a translation. Units are
-metres. Parameters per shape:
+z axis, lowest point on z = 0, so that placing it on a floor or a box top is a translation. Units
+are metres. Parameters per shape:
 
     box       sx, sy, sz           edge lengths
     sphere    r                    radius
@@ -47,7 +47,7 @@ def area(kind: str, p: dict) -> float:
 
 
 def extent(kind: str, p: dict) -> tuple[float, float, float]:
-    """Half-widths in x and y and the height (m) of the shape's bounding box in its resting frame."""
+    """Half-widths in x and y and height (m) of the shape's bounding box in its resting frame."""
     if kind == "box":
         return p["sx"] / 2, p["sy"] / 2, p["sz"]
     if kind == "sphere":

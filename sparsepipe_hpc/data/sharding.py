@@ -4,7 +4,8 @@
     batches.load_state_dict(ckpt["batches"])          # optional: resume mid-epoch
     while batches.epoch < epochs:
         for idx in batches:                           # this replica's 4 sample indices per step
-            ...train on [ds[i] for i in idx]...
+            gens = batches.sample_generators(idx)     # augmentation seeds, one per sample
+            ...train on collate([ds[i] for i in idx], ..., augment=True, generator=gens)...
             ckpt["batches"] = batches.state_dict()    # {"epoch": e, "step_in_epoch": k}
 
 Each epoch's order is ``torch.randperm(n)`` from a generator seeded by ``(seed, epoch)`` alone, so
@@ -24,7 +25,7 @@ empty list, which it must still step through so that collectives stay matched.
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -83,6 +84,19 @@ class ShardedBatches:
         if not 0 <= step < self.steps_per_epoch:
             raise IndexError(f"step {step} out of range for {self.steps_per_epoch} steps per epoch")
         return self.order(epoch)[step * self.batch_size:(step + 1) * self.batch_size].tolist()
+
+    def sample_generators(self, indices: Sequence[int], epoch: Optional[int] = None
+                          ) -> list[torch.Generator]:
+        """One torch generator per sample, seeded by ``(seed, epoch, sample index)`` (``epoch``
+        defaults to the current one): augmentation that draws from them is the same whichever
+        replica holds the sample and after a resume, with no generator state to checkpoint."""
+        e = self.epoch if epoch is None else int(epoch)
+        out = []
+        for i in indices:
+            # The trailing 1 keeps these streams apart from the epoch order's (seed, epoch).
+            state = np.random.SeedSequence([self.seed, e, int(i), 1]).generate_state(1, np.uint64)
+            out.append(torch.Generator().manual_seed(int(state[0])))
+        return out
 
     def shard(self, batch: list[int]) -> list[int]:
         """This replica's contiguous part of a global batch."""

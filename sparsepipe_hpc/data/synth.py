@@ -40,7 +40,7 @@ from sparsepipe_hpc.data.shapes import SHAPES, area, extent, sample_surface
 __all__ = ["GENERATOR_VERSION", "SEG_CLASSES", "CLS_CLASSES", "make_room", "make_object",
            "generate_scenes", "generate_objects", "main"]
 
-#: Bump when the generator's output changes for the same parameters (it keys the default-data cache).
+#: Bump when the output changes for the same parameters (it keys the default-data cache).
 GENERATOR_VERSION = 1
 SEG_CLASSES = ("floor", "wall", "box", "sphere", "cylinder", "cone", "torus", "plane")
 CLS_CLASSES = SHAPES
@@ -98,7 +98,8 @@ class _Placed:
         """Which floor points ``xy [n, 2]`` lie under this object's solid base (hidden by it)."""
         local = _rotate_z(xy - self.pos[:2], -self.yaw)
         if self.kind == "box":
-            return (np.abs(local[:, 0]) < self.p["sx"] / 2) & (np.abs(local[:, 1]) < self.p["sy"] / 2)
+            return ((np.abs(local[:, 0]) < self.p["sx"] / 2)
+                    & (np.abs(local[:, 1]) < self.p["sy"] / 2))
         if self.kind == "cone" or (self.kind == "cylinder" and not self.p["lying"]):
             return (local ** 2).sum(1) < self.p["r"] ** 2
         return np.zeros(len(xy), dtype=bool)
@@ -210,7 +211,9 @@ def make_room(rng: np.random.Generator, size: Sequence[float] = (4.0, 4.0, 2.5),
         rgb.append(colour + rng.normal(0, 8, (len(pts), 3)))
 
     floor = np.zeros((0, 3))
-    while len(floor) < counts[0]:  # top up: the floor under solid objects is hidden
+    # Top up: the floor under solid objects is hidden. Their footprints fit in disjoint circles,
+    # so they cover well under 100% of the floor and this ends after a round or two.
+    while len(floor) < counts[0]:
         more = np.column_stack([rng.random(counts[0]) * lx, rng.random(counts[0]) * ly,
                                 np.zeros(counts[0])])
         hidden = np.zeros(len(more), dtype=bool)

@@ -1,0 +1,317 @@
+"""Halo plans: which owned voxels each neighbour needs, and which voxels arrive from whom.
+
+    r = halo_radius(kernel_size=3, padding=1)                  # 1 for a 3x3x3 submanifold conv
+    plan = build_plan(grid, cuts, coords, radius=r)           # collective over the grid
+    local_map, halo_map = plan.kernel_maps(coords, coords, 3, padding=1)
+    boundary = boundary_rows(halo_map)                        # outputs that wait for the halo
+
+The picture, for the rank owning box B (one 2-D slice, radius r = 1)::
+
+          +---------+-------------------+---------+
+          |  NW     |        N          |   NE    |        h  halo rows B receives: voxels of
+          |      h  | h  h  h  h  h  h  |  h      |           the neighbours within r of B
+          +------+--+-------------------+--+------+
+          |  W   |h |s  s  s  s  s  s  s| h|   E  |        s  rows B sends: its voxels within
+          |      |h |s      box B      s| h|      |           r of a neighbour's box (a corner
+          |      |h |s  s  s  s  s  s  s| h|      |           voxel goes to 3 neighbours in 2-D,
+          +------+--+-------------------+--+------+           up to 7 in 3-D)
+          |  SW  h  | h  h  h  h  h  h  |  h  SE |
+          +---------+-------------------+---------+
+
+Every neighbour, edges and corners included (26 in 3-D), sends B the voxels it owns within
+``radius`` (per axis, i.e. Chebyshev distance) of B's box; B does the same for each of them. The
+radius covers every input a kernel of B's outputs can reach (:func:`halo_radius`). One hop is
+enough when interior boxes are at least ``radius`` thick (:meth:`Cuts.check_thickness`).
+
+Contract. coords int32 [N, 4] (batch, x, y, z): the voxels this rank owns, global indices at the
+plan's ``stride``. ``halo_coords`` int32 [H, 4]: the received voxels, in blocks of ``recv_counts``
+ordered like ``recv_ranks`` (ascending), each block sorted by :func:`halo.kmap.coord_keys`.
+``send_rows[i]``: int64 rows of ``coords`` for ``send_ranks[i]``, in the order the receiver stores
+them. The exchange is counts first, then coordinates, both point-to-point through a
+:class:`halo.transport.Transport` (buffer-protocol, no pickling).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Optional, Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from halo.cuts import Cuts
+from halo.grid import ProcessGrid
+from halo.kmap import KernelMap, coord_keys, kernel_map, output_coords
+from halo.transport.base import Transport
+
+__all__ = ["PlanError", "HaloPlan", "PlanCache", "build_plan", "halo_radius", "boundary_rows",
+           "interior_rows", "select_sends", "halo_boxes", "PLAN_TAG"]
+
+PLAN_TAG = 0x4A10  # tags PLAN_TAG (counts) and PLAN_TAG + 1 (coordinates) carry plan messages
+_FAR = 1 << 40     # "infinitely far": edge boxes own everything beyond the extent
+
+
+class PlanError(ValueError):
+    """Input to a halo plan breaks its contract."""
+
+
+def _triple(v: int | Sequence[int]) -> tuple[int, int, int]:
+    t = (v, v, v) if isinstance(v, (int, np.integer)) else tuple(int(a) for a in v)
+    if len(t) != 3:
+        raise PlanError(f"expected an int or 3 ints; got {v!r}")
+    return t  # type: ignore[return-value]
+
+
+def halo_radius(kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
+                padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1,
+                transposed: bool = False) -> int:
+    """Halo radius (voxels at the input's stride) a convolution needs, given stride-aligned cuts.
+
+    Output ``o`` reads inputs ``o * stride - padding + k * dilation``, k in [0, kernel_size). With
+    an output box [L, H) and its input box [L*s, H*s), inputs reach ``padding`` below the box and
+    ``(K-1)*d - p - s + 1`` above it; the radius is the larger, over all axes. ``transposed``: the
+    inverse convolution (inputs at the coarse stride, ``in * s - p + k * d = out``).
+    """
+    r = 0
+    for k, s, p, d in zip(*(_triple(v) for v in (kernel_size, stride, padding, dilation))):
+        if min(k, s, d) < 1 or p < 0:
+            raise PlanError(f"kernel_size {k}, stride {s}, dilation {d} must be >= 1 and padding "
+                            f"{p} >= 0")
+        if transposed:
+            below, above = ((k - 1) * d - p) // s, 1 + (p - 1) // s
+        else:
+            below, above = p, (k - 1) * d - p - s + 1
+        r = max(r, below, above)
+    return r
+
+
+def halo_boxes(cuts: Cuts, grid_coords: Sequence[int],
+               stride: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) int64 [3] of a box at ``stride``, edge boxes extended to "infinity" (ownership)."""
+    lo, hi = cuts.box(grid_coords, stride)
+    for a in range(3):
+        if grid_coords[a] == 0:
+            lo[a] = -_FAR
+        if grid_coords[a] == cuts.dims[a] - 1:
+            hi[a] = _FAR
+    return lo, hi
+
+
+def select_sends(coords: torch.Tensor, boxes: Sequence[tuple[np.ndarray, np.ndarray]],
+                 radius: int) -> list[torch.Tensor]:
+    """For each box (lo, hi), the rows of ``coords`` within ``radius`` of it, sorted by key (pure).
+
+    coords int [N, 4]; returns int64 row tensors. Within radius means ``lo - r <= x < hi + r`` on
+    every spatial axis.
+    """
+    keys = coord_keys(coords)
+    order = torch.sort(keys)[1]  # rows by key, so every selection comes out sorted
+    xyz = coords[order, 1:].long()
+    out = []
+    for lo, hi in boxes:
+        lo_t = torch.as_tensor(lo - radius, device=xyz.device)
+        hi_t = torch.as_tensor(hi + radius, device=xyz.device)
+        mask = ((xyz >= lo_t) & (xyz < hi_t)).all(1)
+        out.append(order[mask])
+    return out
+
+
+@dataclass
+class HaloPlan:
+    """Who sends which owned rows to whom, and which halo voxels arrive; see the module docstring."""
+
+    send_ranks: list[int]
+    send_rows: list[torch.Tensor]
+    recv_ranks: list[int]
+    recv_counts: list[int]
+    halo_coords: torch.Tensor
+    num_local: int
+    stride: int = 1
+    radius: int = 0
+    grid_coords: tuple[int, int, int] = (0, 0, 0)
+    cuts: Optional[Cuts] = field(default=None, repr=False)
+
+    @property
+    def num_halo(self) -> int:
+        return int(self.halo_coords.shape[0])
+
+    @property
+    def send_counts(self) -> list[int]:
+        return [len(r) for r in self.send_rows]
+
+    @property
+    def recv_offsets(self) -> list[int]:
+        """[len(recv_ranks) + 1]: block i of the halo is rows recv_offsets[i]:recv_offsets[i+1]."""
+        return [0] + list(np.cumsum(self.recv_counts, dtype=np.int64).tolist())
+
+    def kernel_maps(self, local_coords: torch.Tensor, out_coords: torch.Tensor,
+                    kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
+                    padding: int | Sequence[int] = 0,
+                    dilation: int | Sequence[int] = 1) -> tuple[KernelMap, KernelMap]:
+        """(local_map, halo_map): the kernel map over inputs local ∪ halo, split by input.
+
+        local_coords int32 [num_local, 4] (the coords the plan was built from); out_coords int
+        [M, 4], this rank's outputs at the output stride. local_map's in_rows index local rows
+        (n_in = num_local), halo_map's index halo rows 0..H-1 (n_in = num_halo); both keep
+        kernel_map's per-offset CSR layout, and every pair of the full map is in exactly one.
+        """
+        if local_coords.ndim != 2 or len(local_coords) != self.num_local:
+            raise PlanError(f"local_coords has shape {tuple(local_coords.shape)}; the plan was "
+                            f"built for {self.num_local} local rows")
+        inputs = torch.cat([local_coords.to(self.halo_coords.dtype), self.halo_coords])
+        km = kernel_map(inputs, out_coords, kernel_size, stride, padding, dilation)
+        is_local = km.in_rows < self.num_local
+        local = km.select(is_local, n_in=self.num_local)
+        halo = km.select(~is_local, n_in=self.num_halo, in_rows=km.in_rows - self.num_local)
+        return local, halo
+
+    def owned_outputs(self, local_coords: torch.Tensor, kernel_size: int | Sequence[int],
+                      stride: int | Sequence[int], padding: int | Sequence[int],
+                      dilation: int | Sequence[int], out_shape: Sequence[int]) -> torch.Tensor:
+        """This rank's active outputs of a strided convolution: int32 [M, 4], sorted by key.
+
+        An output belongs to the rank whose box (at the output's stride, ``plan.stride *
+        stride``) holds it; its inputs all lie in local ∪ halo when the plan's radius is
+        :func:`halo_radius` of the convolution. Needs a plan from :func:`build_plan`.
+        """
+        if self.cuts is None:
+            raise PlanError("owned_outputs needs the plan's cuts; build the plan with build_plan")
+        s = _triple(stride)
+        if len(set(s)) != 1:
+            raise PlanError(f"owned_outputs supports one stride for all axes; got {s}")
+        inputs = torch.cat([local_coords.to(self.halo_coords.dtype), self.halo_coords])
+        out = output_coords(inputs, kernel_size, stride, padding, dilation, out_shape)
+        g = self.cuts.locate(out[:, 1:], self.stride * s[0])
+        mine = (g == torch.tensor(self.grid_coords, device=g.device)).all(1)
+        return out[mine]
+
+
+def boundary_rows(halo_map: KernelMap) -> torch.Tensor:
+    """int64 [B]: sorted output rows that have at least one halo input (they wait for the halo)."""
+    return torch.unique(halo_map.out_rows)
+
+
+def interior_rows(halo_map: KernelMap) -> torch.Tensor:
+    """int64 [n_out - B]: sorted output rows with local inputs only (computable before the halo)."""
+    mask = torch.ones(halo_map.n_out, dtype=torch.bool, device=halo_map.out_rows.device)
+    mask[halo_map.out_rows] = False
+    return torch.nonzero(mask).reshape(-1)
+
+
+def _input_problem(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, stride: int) -> str:
+    if tuple(cuts.dims) != tuple(grid.dims):
+        return f"cuts are for a grid {cuts.dims} but the process grid is {grid.dims}"
+    if coords.ndim != 2 or coords.shape[1] != 4:
+        return f"coords has shape {tuple(coords.shape)}; expected [N, 4] (batch, x, y, z)"
+    if coords.dtype not in (torch.int32, torch.int64):
+        return f"coords has dtype {coords.dtype}; expected int32"
+    if len(coords):
+        g = cuts.locate(coords[:, 1:], stride)
+        bad = (g != torch.tensor(grid.coords, device=g.device)).any(1)
+        if bad.any():
+            row = int(torch.nonzero(bad)[0])
+            return (f"coords row {row} is {coords[row].tolist()}, owned by grid position "
+                    f"{tuple(g[row].tolist())}, not by this rank's {grid.coords} (stride {stride}, "
+                    f"{int(bad.sum())} such rows); pass the voxels this rank owns (halo.distribute)")
+        keys, order = torch.sort(coord_keys(coords))
+        dup = torch.nonzero(keys[1:] == keys[:-1]).reshape(-1)
+        if len(dup):
+            i, j = sorted((int(order[dup[0]]), int(order[dup[0] + 1])))
+            return (f"coords rows {i} and {j} are the same voxel {coords[i].tolist()} "
+                    f"({len(dup)} duplicates); rows must be unique")
+    return ""
+
+
+def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
+               stride: int = 1, transport: Optional[Transport] = None,
+               tag: int = PLAN_TAG) -> HaloPlan:
+    """Build this rank's halo plan (collective over ``grid.comm``; every rank calls it).
+
+    coords int32 [N, 4]: the voxels this rank owns, global indices at ``stride`` (N may be 0).
+    radius: halo width in voxels at ``stride`` (see :func:`halo_radius`). transport: moves counts
+    and coordinates; default :class:`halo.transport.MPITransport` on ``grid.comm``.
+    Raises PlanError / CutError on every rank for thin boxes or rows this rank does not own.
+    """
+    if radius < 0:
+        raise PlanError(f"radius is {radius}; it must be >= 0")
+    cuts.check_thickness(radius, stride)  # pure: raises alike on every rank
+    problem = _input_problem(grid, cuts, coords, stride)
+    # Agree first, so that one rank's bad rows stop every rank before the point-to-point phase.
+    flags = np.array([1 if problem else 0], np.int64)
+    grid.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.SUM)
+    if problem:
+        raise PlanError(f"build_plan on rank {grid.rank}: {problem}")
+    if flags[0]:
+        raise PlanError(f"build_plan: {int(flags[0])} rank(s) passed bad coords; see their errors")
+    if transport is None:
+        from halo.transport.mpi import MPITransport
+
+        transport = MPITransport(grid.comm)
+    coords = coords.int()
+    dev = coords.device
+    nbrs = [r for r, _ in grid.neighbours()]
+    boxes = [halo_boxes(cuts, grid.coords_of(r), stride) for r in nbrs]
+    rows = select_sends(coords, boxes, radius) if radius > 0 else \
+        [torch.zeros(0, dtype=torch.int64, device=dev) for _ in nbrs]
+
+    send_n = [torch.tensor([len(r)], dtype=torch.int64, device=dev) for r in rows]
+    recv_n = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in nbrs]
+    transport.start(list(zip(nbrs, send_n)), list(zip(nbrs, recv_n)), tag).wait()
+    counts = [int(c) for c in recv_n]
+
+    send_ranks = [r for r, rw in zip(nbrs, rows) if len(rw)]
+    send_rows = [rw for rw in rows if len(rw)]
+    recv_ranks = [r for r, c in zip(nbrs, counts) if c]
+    recv_counts = [c for c in counts if c]
+    halo = torch.empty(sum(recv_counts), 4, dtype=torch.int32, device=dev)
+    offs = [0, *itertools.accumulate(recv_counts)]
+    recvs = [(r, halo[offs[i]:offs[i + 1]]) for i, r in enumerate(recv_ranks)]
+    sends = [(r, coords[rw].contiguous()) for r, rw in zip(send_ranks, send_rows)]
+    transport.start(sends, recvs, tag + 1).wait()
+    return HaloPlan(send_ranks, send_rows, recv_ranks, recv_counts, halo, len(coords), stride,
+                    radius, grid.coords, cuts)
+
+
+class PlanCache:
+    """Plans by the caller's key (like spconv's ``indice_key``): a sparsity pattern pays once.
+
+        plans = PlanCache()
+        plan = plans.get_or_build("subm1", grid, cuts, coords, radius=1)   # collective on a miss
+
+    Every rank must use the cache the same way (same keys in the same order), since a miss is a
+    collective build. A hit is checked against the request (rows, radius, stride) and a mismatch
+    raises PlanError: a key reused for another sparsity pattern would silently exchange garbage.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[Hashable, HaloPlan] = {}
+
+    def get_or_build(self, key: Hashable, grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor,
+                     radius: int, stride: int = 1, transport: Optional[Transport] = None,
+                     builder: Optional[Callable[..., HaloPlan]] = None) -> HaloPlan:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = (builder or build_plan)(grid, cuts, coords, radius, stride, transport)
+            self._plans[key] = plan
+        elif (plan.num_local, plan.radius, plan.stride, plan.cuts) != (len(coords), radius, stride,
+                                                                      cuts):
+            raise PlanError(
+                f"plan cache key {key!r} holds a plan for {plan.num_local} rows, radius "
+                f"{plan.radius}, stride {plan.stride}; asked for {len(coords)} rows, radius "
+                f"{radius}, stride {stride}{'' if plan.cuts == cuts else ', other cuts'}: use a "
+                f"distinct key per sparsity pattern and radius, or clear() the cache")
+        return plan
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._plans
+
+    def __getitem__(self, key: Hashable) -> HaloPlan:
+        return self._plans[key]
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        self._plans.clear()

@@ -1,0 +1,50 @@
+#!/bin/bash
+# sparsepipe_hpc on SLURM: {{nodes}} node(s) x {{gpus_per_node}} GPUs = {{ntasks}} MPI ranks, one per GPU,
+# {{cpus_per_rank}} CPU cores (threads) per rank. Submit with: sbatch <this file>
+# Rendered by: {{command}}
+#SBATCH --job-name={{job_name}}
+#SBATCH --nodes={{nodes}}
+#SBATCH --ntasks={{ntasks}}
+#SBATCH --ntasks-per-node={{ranks_per_node}}
+#SBATCH --gpus-per-node={{gpus_per_node}}
+#SBATCH --cpus-per-task={{cpus_per_rank}}
+#SBATCH --time={{time}}
+#SBATCH --signal=TERM@{{signal_lead}}
+#SBATCH --output={{job_name}}-%j.out
+{{account_directive}}
+{{queue_directive}}
+# Sites that count GPUs as generic resources want --gres=gpu:{{gpus_per_node}} instead of --gpus-per-node.
+
+set -euo pipefail
+
+# Python: load modules / activate the environment that has sparsepipe_hpc installed, e.g.
+#   module load cuda; source "$HOME/venvs/sparsepipe/bin/activate"
+PYTHON=${PYTHON:-python}
+
+# Threads: each rank runs one compute pool on the cores SLURM gives its task.
+export OMP_NUM_THREADS={{cpus_per_rank}}
+export SPARSEPIPE_THREADS={{cpus_per_rank}}
+# srun stopped inheriting sbatch's --cpus-per-task in Slurm 22.05: say it again.
+export SRUN_CPUS_PER_TASK={{cpus_per_rank}}
+
+# NCCL moves tensors between GPUs. Leave NCCL_IB_DISABLE unset: InfiniBand is used when present.
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# export NCCL_SOCKET_IFNAME=ib0         # bootstrap interface across nodes (ib0, hsn0, eth0, ...)
+# UCX carries Open MPI's messages between nodes on InfiniBand.
+export UCX_WARN_UNUSED_ENV_VARS=n
+# export UCX_NET_DEVICES=mlx5_0:1       # pin the NIC when a node has several
+
+export PYTHONUNBUFFERED=1               # output reaches the log as it is printed
+export PYTHONFAULTHANDLER=1             # a crash in C prints the Python stack
+
+# One GPU per rank: every rank sees its node's {{gpus_per_node}} GPUs and takes GPU (local rank mod
+# {{gpus_per_node}}) (launch.device.select_gpu), which keeps NCCL's peer-to-peer paths between them.
+# --kill-on-bad-exit ends the step when a rank fails; 'launch run' aborts all ranks on an exception.
+# SIGTERM arrives {{signal_lead}} s before the time limit: the trainer writes a last checkpoint.
+SRUN=(srun --ntasks={{ntasks}} --ntasks-per-node={{ranks_per_node}} --cpus-per-task={{cpus_per_rank}}
+      --cpu-bind=cores --kill-on-bad-exit=1)
+
+# Check the binding first (one line per rank: node, local rank, GPU, threads, cores).
+"${SRUN[@]}" "$PYTHON" -m launch info
+
+"${SRUN[@]}" "$PYTHON" -m launch run -m {{module}} {{trainer_args}}

@@ -1,0 +1,61 @@
+"""``python -m sparsepipe_hpc.train``: the trainer's entry point, with or without mpirun.
+
+    python -m sparsepipe_hpc.train --steps 50                     # one process (singleton MPI)
+    mpirun -n 2 python -m sparsepipe_hpc.train                    # 2 data-parallel replicas
+    mpirun -n 4 python -m sparsepipe_hpc.train --grid 2,1,1       # 2 replicas x 2 spatial ranks
+    mpirun -n 2 python -m sparsepipe_hpc.train --config run.toml --resume auto --out runs/a
+
+Exit status: 0 after training or after a SIGTERM-triggered checkpoint, 2 for bad input (the message
+is printed once, by rank 0; every rank exits), 1 with an MPI abort of all ranks for any other
+exception on any rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main"]
+
+PROG = "sparsepipe_hpc.train"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse options, build the trainer on every rank, train; returns the exit status."""
+    # Before torch starts its thread pools: one compute thread per rank unless --threads says more.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from launch.run import abort_on_exception, install_sigterm_handler
+
+    abort_on_exception()  # an uncaught exception on one rank ends the job instead of hanging it
+    from mpi4py import MPI
+
+    import torch
+
+    from sparsepipe_hpc.data import DataFormatError, DataGenerationError
+    from sparsepipe_hpc.parallel.layout import LayoutError
+    from sparsepipe_hpc.train.checkpoint import CheckpointError
+    from sparsepipe_hpc.train.config import ConfigError, parse_config, resolve_layout
+    from sparsepipe_hpc.train.loop import SetupError, Trainer
+
+    comm = MPI.COMM_WORLD
+    user_errors = (ConfigError, LayoutError, SetupError, CheckpointError, DataFormatError,
+                   DataGenerationError)
+    try:
+        cfg = parse_config(argv)
+        resolve_layout(cfg, comm.Get_size())  # the batch/replica checks, before any collective
+        torch.set_num_threads(cfg.threads)
+        install_sigterm_handler()  # flag only: the loop agrees on it and checkpoints collectively
+        trainer = Trainer(cfg, comm)
+    except user_errors as e:
+        # Every rank got the same error (setup is deterministic, and collective steps agree on
+        # failures): say it once, and let every rank leave.
+        if comm.Get_rank() == 0:
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    trainer.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

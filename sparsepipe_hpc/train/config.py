@@ -1,0 +1,305 @@
+"""The trainer's options: command line, TOML config file, task defaults and validation.
+
+    cfg = parse_config(["--task", "seg", "--config", "run.toml", "--lr", "0.01"])
+    cfg.batch_size, cfg.grid, cfg.lr        # resolved: task defaults filled in, values checked
+    layout = resolve_layout(cfg, world_size=4)   # RankLayout, or ConfigError naming the remedy
+
+A config file is TOML whose keys are the option names, with dashes or underscores::
+
+    task = "seg"
+    batch-size = 8
+    grid = [2, 1, 1]          # or "2,1,1"
+    no-overlap = true         # boolean options: `overlap = false` works too
+
+The command line wins over the file, the file over the defaults. Options left unset get the task's
+defaults (:data:`TASK_DEFAULTS`), chosen so that ``mpirun -n 2 python -m sparsepipe_hpc.train``
+finishes in a few minutes on two CPU cores. Every function here is pure (no MPI): each rank parses
+the same argv and raises the same :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, Optional, Sequence
+
+from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout, parse_grid
+
+__all__ = ["ConfigError", "TrainConfig", "TASK_DEFAULTS", "build_parser", "parse_config",
+           "resolve_layout", "local_batch_size"]
+
+TASKS = ("seg", "cls")
+MODEL_TASK = {"unet": "seg", "resnet": "cls"}
+
+#: Defaults that depend on the task; an option the user sets wins. Tuned on the synthetic default
+#: data (see the package docstring for the measured result of the default run).
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "seg": {"model": "unet", "width": 16, "depth": 3, "epochs": 5, "batch_size": 4,
+            "voxel_size": 0.05, "lr": 0.003, "eval_every": 0},
+    "cls": {"model": "resnet", "width": 16, "depth": 3, "epochs": 4, "batch_size": 32,
+            "voxel_size": 0.08, "lr": 0.003, "eval_every": 0},
+}
+OPTIMIZER_LR_SCALE = {"adamw": 1.0, "sgd": 10.0}  # SGD wants a larger step than AdamW
+
+
+class ConfigError(ValueError):
+    """An option or config file that breaks a rule; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Resolved options (see ``python -m sparsepipe_hpc.train --help`` for each one's meaning)."""
+
+    task: str = "seg"
+    model: str = "unet"
+    width: int = 16
+    depth: int = 3
+    data: Optional[str] = None
+    epochs: int = 5
+    steps: Optional[int] = None
+    batch_size: int = 4
+    voxel_size: float = 0.05
+    lr: float = 0.003
+    weight_decay: float = 1e-4
+    optimizer: str = "adamw"
+    schedule: str = "cosine"
+    warmup: int = 0
+    seed: int = 0
+    out: Optional[str] = None
+    resume: Optional[str] = None
+    checkpoint_every: int = 0
+    eval_every: int = 0
+    grid: tuple[int, int, int] = (1, 1, 1)
+    replicas: Optional[int] = None
+    cuts: str = "balanced"
+    overlap: bool = True
+    engine: str = "auto"
+    threads: int = 1
+    augment: bool = True
+    progress: bool = True
+    config: Optional[str] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["grid"] = list(self.grid)
+        return d
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting, so that library
+    callers (and tests) get an exception and ``__main__`` decides how to report it."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see --help)")
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0; got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text}")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0; got {text}")
+    return v
+
+
+def _grid(text: str) -> tuple[int, int, int]:
+    try:
+        g = parse_grid(text)
+    except LayoutError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return g  # type: ignore[return-value]  # parse_grid returns None only for None
+
+
+# Give argparse's messages readable type names ("invalid positive int value").
+for _f, _n in ((_positive_int, "positive int"), (_nonneg_int, "non-negative int"),
+               (_positive_float, "positive float"), (_nonneg_float, "non-negative float"),
+               (_grid, "grid")):
+    _f.__name__ = _n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI. Every default is None (or unset) so that task defaults and the config file can be
+    told apart from values the user typed."""
+    p = _Parser(prog="python -m sparsepipe_hpc.train",
+                description="Train a sparse 3D CNN on point clouds, single-process or under mpirun "
+                            "(data x spatial parallel).",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    a = p.add_argument
+    a("--config", metavar="FILE", help="TOML file whose keys are these options' names")
+    g = p.add_argument_group("task and model")
+    g.add_argument("--task", choices=TASKS, help="seg: per-voxel segmentation of rooms; cls: "
+                   "object classification (default seg)")
+    g.add_argument("--model", choices=sorted(MODEL_TASK), help="default: unet (seg), resnet (cls)")
+    g.add_argument("--width", type=_positive_int, help="channels at full resolution (default 16)")
+    g.add_argument("--depth", type=_positive_int, help="stride-2 levels (default 3)")
+    g.add_argument("--engine", choices=("auto", "torch", "spconv"),
+                   help="local sparse-convolution engine (default auto)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", metavar="PATH", help="data directory (seg: train.h5/val.h5; cls: "
+                   "ModelNet-layout train*/test*.h5); default: synthetic data made on first use")
+    g.add_argument("--voxel-size", type=_positive_float, metavar="M",
+                   help="voxel edge in metres (default 0.05 seg, 0.08 cls)")
+    g.add_argument("--augment", action=argparse.BooleanOptionalAction,
+                   help="random rotation/scale/jitter of training samples (default on)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--epochs", type=_positive_int, help="passes over the training set")
+    g.add_argument("--steps", type=_positive_int, help="optimizer steps (overrides --epochs)")
+    g.add_argument("--batch-size", type=_positive_int, help="GLOBAL batch (samples per step over "
+                   "all replicas; must be a multiple of --replicas)")
+    g.add_argument("--optimizer", choices=("adamw", "sgd"), help="AdamW, or SGD with momentum 0.9 "
+                   "(default adamw)")
+    g.add_argument("--lr", type=_positive_float, help="peak learning rate (default 0.003 adamw, "
+                   "0.03 sgd)")
+    g.add_argument("--weight-decay", type=_nonneg_float, help="default 1e-4")
+    g.add_argument("--schedule", choices=("cosine", "constant"), help="learning-rate schedule "
+                   "over all steps (default cosine)")
+    g.add_argument("--warmup", type=_nonneg_int, help="linear warm-up steps (default 0)")
+    g.add_argument("--seed", type=int, help="seeds model init, data order and augmentation")
+    g = p.add_argument_group("output and checkpoints")
+    g.add_argument("--out", metavar="DIR", help="run directory (default runs/<task>-<timestamp>)")
+    g.add_argument("--resume", metavar="CKPT|auto", help="continue from a checkpoint; auto: "
+                   "<out>/last.pt when it exists, else start afresh")
+    g.add_argument("--checkpoint-every", type=_nonneg_int, metavar="N",
+                   help="write <out>/last.pt every N steps (0: only at the end and on SIGTERM)")
+    g.add_argument("--eval-every", type=_nonneg_int, metavar="N",
+                   help="evaluate on the validation split every N steps (0: only at the end)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                   help="progress bar on rank 0 (default on)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--grid", type=_grid, metavar="X,Y,Z", help="spatial ranks per replica "
+                   "(default 1,1,1)")
+    g.add_argument("--replicas", type=_positive_int, metavar="R", help="data-parallel replicas "
+                   "(default: world size / grid product)")
+    g.add_argument("--cuts", choices=("balanced", "uniform"), help="spatial cut placement "
+                   "(default balanced)")
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
+                   help="overlap halo exchange with the interior convolution (default on)")
+    g.add_argument("--threads", type=_positive_int, metavar="N", help="compute threads per rank "
+                   "(default 1; the spconv engine on CPU needs 1)")
+    return p
+
+
+def _toml_tokens(parser: argparse.ArgumentParser, path: Path) -> list[str]:
+    """Turn a TOML config file into command-line tokens (placed before the real ones, so the
+    command line wins under argparse's last-one-wins rule)."""
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
+    actions = parser._option_string_actions  # noqa: SLF001 - argparse has no public lookup
+    tokens: list[str] = []
+    for key, value in table.items():
+        flag = "--" + key.replace("_", "-")
+        action = actions.get(flag)
+        if action is None or flag in ("--config", "--help"):
+            known = sorted(s[2:] for s in actions if s.startswith("--")
+                           and s not in ("--config", "--help"))
+            raise ConfigError(f"--config {path}: unknown key {key!r}; keys are the option names: "
+                              f"{', '.join(known)}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise ConfigError(f"--config {path}: key {key!r} must be true or false; "
+                                  f"got {value!r}")
+            negated = flag.startswith("--no-")
+            base = flag[5:] if negated else flag[2:]
+            tokens.append(f"--{base}" if value != negated else f"--no-{base}")
+        elif isinstance(value, (dict, bool)):
+            raise ConfigError(f"--config {path}: key {key!r} must be a "
+                              f"{'string or number' if key != 'grid' else 'list like [2, 1, 1]'}"
+                              f"; got {value!r}")
+        elif isinstance(value, list):
+            if flag != "--grid":
+                raise ConfigError(f"--config {path}: key {key!r} takes one value; got {value!r}")
+            tokens += [flag, ",".join(str(v) for v in value)]
+        else:
+            tokens += [flag, str(value)]
+    # Check the file's values alone first, so an error names the file rather than the command line.
+    try:
+        parser.parse_args(tokens)
+    except ConfigError as e:
+        raise ConfigError(f"--config {path}: {e}") from None
+    return tokens
+
+
+def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
+    """Parse ``argv`` (default ``sys.argv[1:]``) with its ``--config`` file into a TrainConfig."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    first = parser.parse_args(argv)
+    tokens = _toml_tokens(parser, Path(first.config)) if first.config else []
+    ns = parser.parse_args(tokens + argv)
+    given = {k: v for k, v in vars(ns).items() if v is not None}
+    return resolve(given)
+
+
+def resolve(given: dict[str, Any]) -> TrainConfig:
+    """Fill task defaults into the options that were set (names as TrainConfig fields)."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(given) - fields
+    if unknown:
+        raise ConfigError(f"unknown option(s) {sorted(unknown)}; known: {sorted(fields)}")
+    task = given.get("task", "seg")
+    if task not in TASKS:
+        raise ConfigError(f"--task must be one of {', '.join(TASKS)}; got {task!r}")
+    values = {**TASK_DEFAULTS[task], **given}
+    model = values["model"]
+    if model not in MODEL_TASK:
+        raise ConfigError(f"--model must be one of {', '.join(sorted(MODEL_TASK))}; got {model!r}")
+    if MODEL_TASK[model] != task:
+        want = [m for m, t in MODEL_TASK.items() if t == task]
+        raise ConfigError(f"--model {model} is a {MODEL_TASK[model]} model but --task is {task}; "
+                          f"pass --model {' or '.join(want)}")
+    if "lr" not in given:
+        values["lr"] = values["lr"] * OPTIMIZER_LR_SCALE[values.get("optimizer", "adamw")]
+    cfg = TrainConfig(**values)
+    if cfg.engine == "spconv" and cfg.threads > 1:
+        raise ConfigError(f"--engine spconv with --threads {cfg.threads}: spconv's CPU kernels give "
+                          "wrong results with more than one thread; pass --threads 1 or "
+                          "--engine torch")
+    if cfg.resume == "auto" and cfg.out is None:
+        raise ConfigError("--resume auto looks for <out>/last.pt, so it needs --out DIR")
+    return cfg
+
+
+def resolve_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
+    """The rank layout for ``world_size`` ranks, checking that the global batch splits evenly."""
+    try:
+        layout = RankLayout.from_world(world_size, cfg.grid, cfg.replicas)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.batch_size % layout.replicas:
+        raise ConfigError(f"--batch-size {cfg.batch_size} cannot be split over {layout.replicas} "
+                          f"replicas; pass a multiple of {layout.replicas}")
+    return layout
+
+
+def local_batch_size(cfg: TrainConfig, layout: RankLayout) -> int:
+    """Samples per step that one replica (all its spatial ranks together) processes."""
+    return cfg.batch_size // layout.replicas

@@ -1,0 +1,393 @@
+"""The training loop: one replica's data shard, loss shares, gradient all-reduce, eval, checkpoints.
+
+    cfg = parse_config(["--task", "seg", "--steps", "100"])
+    trainer = Trainer(cfg, MPI.COMM_WORLD)   # collective: every rank builds the same trainer
+    result = trainer.run()                   # {"step", "stopped", "train": {...}, "eval": {...}}
+
+One step on one rank (the loss convention of :mod:`sparsepipe_hpc.parallel.context`)::
+
+    indices   this replica's samples of the global batch (ShardedBatches: the same on every
+              spatial rank of the replica)
+    batch     collate(samples) -> every voxel of the replica's samples
+    x, y      ctx.distribute(batch.x, labels, align=total_stride) -> this rank's voxels
+    share     seg: sum CE over my voxels / voxels of the global batch
+              cls: sum CE over the replica's samples / (global batch * spatial ranks)
+    backward, ctx.allreduce_gradients (sum over every rank), optimizer step
+    report    allreduce([share, my voxels, stop flag]) -> global loss, voxels, stop agreement
+
+Shares sum to the single-process mean loss of the global batch and summed gradients equal its
+gradient, so any layout trains the same model as one process (up to float rounding). Augmentation
+is drawn per sample from a generator seeded by ``(seed, epoch, sample index)``, so it too does not
+depend on which replica reads the sample, nor on where a resumed run restarted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sparsepipe_hpc.data import (ModelNetDataset, Sample, SceneDataset, ShardedBatches,
+                                 augment_points, collate, default_data, grid_for)
+from sparsepipe_hpc.nn import build_model
+from sparsepipe_hpc.nn.functional import allreduce_
+from sparsepipe_hpc.parallel.context import ParallelContext
+from sparsepipe_hpc.train import checkpoint as ckpt_io
+from sparsepipe_hpc.train.config import TrainConfig, local_batch_size, resolve_layout
+from sparsepipe_hpc.train.metrics import ConfusionMatrix, MetricsLog, format_summary
+
+__all__ = ["Trainer", "SetupError", "LrSchedule", "agree"]
+
+
+class SetupError(ValueError):
+    """Building the trainer failed on some rank; raised on every rank with that rank's message."""
+
+
+def agree(comm: Any, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank; if it raised a ValueError/OSError on any rank, raise SetupError on
+    all of them (so no rank is left waiting in the next collective). **Collective.**"""
+    error: Optional[str] = None
+    value = None
+    try:
+        value = fn()
+    except (ValueError, OSError) as e:
+        error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    errors = comm.allgather(error)
+    failed = [(r, m) for r, m in enumerate(errors) if m is not None]
+    if failed:
+        rank, msg = failed[0]
+        where = f" (rank {rank} of {len(errors)})" if len(errors) > 1 and rank != 0 else ""
+        raise SetupError(f"{msg}{where}")
+    return value
+
+
+class LrSchedule:
+    """Learning-rate factor per step: linear warm-up, then cosine to 0 or constant (picklable,
+    so ``LambdaLR.state_dict`` stays small and a resumed run gets the same factors)."""
+
+    def __init__(self, kind: str, total_steps: int, warmup: int = 0):
+        self.kind, self.total, self.warmup = kind, max(1, total_steps), warmup
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        if self.kind == "constant":
+            return 1.0
+        t = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def _sample_seed(seed: int, epoch: int, index: int) -> int:
+    return int(np.random.SeedSequence([seed, epoch, index, 0xA06]).generate_state(1, np.uint64)[0])
+
+
+def _versions(comm: Any) -> dict[str, str]:
+    import mpi4py
+    from mpi4py import MPI
+
+    import sparsepipe_hpc
+
+    try:
+        import spconv
+        spconv_version = getattr(spconv, "__version__", "?")
+    except ImportError:  # pragma: no cover - spconv is a dependency
+        spconv_version = "missing"
+    return {"sparsepipe_hpc": sparsepipe_hpc.__version__, "python": platform.python_version(),
+            "torch": torch.__version__, "numpy": np.__version__, "spconv": spconv_version,
+            "mpi4py": mpi4py.__version__,
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+            "world_size": str(comm.Get_size()), "threads_per_rank": str(torch.get_num_threads())}
+
+
+class Trainer:
+    """Everything one rank needs to train; see the module docstring. **Collective** to build.
+
+    ``should_stop``: polled at every step boundary (default: :func:`launch.run.stop_requested`,
+    raised by SIGTERM); when it is true on any rank, every rank checkpoints and stops.
+    ``log``: where rank 0's messages go (None: quiet).
+    """
+
+    def __init__(self, cfg: TrainConfig, comm: Any = None, *,
+                 should_stop: Optional[Callable[[], bool]] = None,
+                 log: Optional[Callable[[str], None]] = print):
+        if comm is None:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        if should_stop is None:
+            from launch.run import stop_requested
+            should_stop = stop_requested
+        self.cfg, self.comm, self.should_stop = cfg, comm, should_stop
+        self.layout = resolve_layout(cfg, comm.Get_size())
+        self.ctx = ParallelContext(comm, self.layout, cuts=cfg.cuts, overlap=cfg.overlap)
+        self.is_root = comm.Get_rank() == 0
+        self._log = log if self.is_root else None
+        self.seg = cfg.task == "seg"
+
+        data_dir = Path(cfg.data) if cfg.data else default_data(cfg.task, comm=comm)
+        self.data_dir = data_dir
+        self.train_set, self.val_set = agree(comm, lambda: self._open_data(data_dir))
+        self.num_classes = self.train_set.num_classes
+
+        # The same seed on every rank; rank 0's initial weights are broadcast regardless.
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed % 2**32)
+        random.seed(cfg.seed)
+        self.model = build_model(cfg.model, self.train_set.in_channels, self.num_classes,
+                                 width=cfg.width, depth=cfg.depth, engine=cfg.engine)
+        self.ctx.broadcast_parameters(self.model)
+        self.stride = self.model.total_stride
+        self.origin, self.shape = agree(comm, lambda: grid_for(
+            [self.train_set, self.val_set], cfg.voxel_size, multiple=self.stride))
+
+        params = list(self.model.parameters())
+        if cfg.optimizer == "sgd":
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
+                params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.batches = agree(comm, lambda: ShardedBatches(
+            len(self.train_set), cfg.batch_size, replicas=self.ctx.num_replicas,
+            rank=self.ctx.replica, seed=cfg.seed))
+        self.total_steps = cfg.steps if cfg.steps else cfg.epochs * self.batches.steps_per_epoch
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, LrSchedule(cfg.schedule, self.total_steps, cfg.warmup))
+        self.step = 0
+        self.epoch = 0
+
+        out = cfg.out or f"runs/{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.out = Path(comm.bcast(out, root=0))  # one timestamp for all ranks
+        resume = ckpt_io.resolve_resume(cfg.resume, self.out)
+        self.resumed_from = resume
+        if resume is not None:
+            agree(comm, lambda: self._load(resume))
+        if self.is_root:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.is_root)
+        if resume is not None:
+            self.metrics.truncate_after(self.step)
+        self._write_config()
+
+    # --- setup -----------------------------------------------------------------------------------
+    def _open_data(self, path: Path) -> tuple[Any, Any]:
+        if not path.is_dir():
+            raise SetupError(f"--data {path}: not a directory (seg: holds train.h5 and val.h5; "
+                             "cls: ModelNet-layout train*.h5 and test*.h5)")
+        if self.seg:
+            return SceneDataset(path, "train"), SceneDataset(path, "val")
+        return ModelNetDataset(path, "train"), ModelNetDataset(path, "test")
+
+    def _load(self, path: Path) -> None:
+        ckpt = ckpt_io.load_checkpoint(path)
+        ckpt_io.check_compatible(ckpt, self.cfg.to_dict(), path)
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.batches.load_state_dict(ckpt["loader"])
+        self.step = int(ckpt["step"])
+        self.epoch = int(ckpt.get("epoch", 0))
+        states = ckpt["rng"]
+        rank = self.comm.Get_rank()
+        ckpt_io.set_rng_state(states[rank] if len(states) == self.comm.Get_size() else states[0])
+
+    def _write_config(self) -> None:
+        info = {"options": self.cfg.to_dict(), "out": str(self.out), "data": str(self.data_dir),
+                "layout": {"replicas": self.layout.replicas, "stages": self.layout.stages,
+                           "grid": list(self.layout.grid), "world_size": self.layout.size,
+                           "text": str(self.layout)},
+                "grid": {"origin_m": list(self.origin), "spatial_shape": list(self.shape),
+                         "voxel_size_m": self.cfg.voxel_size, "total_stride": self.stride},
+                "data_sizes": {"train": len(self.train_set), "val": len(self.val_set),
+                               "num_classes": self.num_classes,
+                               "class_names": list(self.train_set.class_names)},
+                "steps": {"total": self.total_steps,
+                          "per_epoch": self.batches.steps_per_epoch,
+                          "local_batch": local_batch_size(self.cfg, self.layout)},
+                "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+                "parameters": sum(p.numel() for p in self.model.parameters()),
+                "versions": _versions(self.comm)}
+        if self.is_root:
+            tmp = self.out / ".config.json.tmp"
+            tmp.write_text(json.dumps(info, indent=1) + "\n")
+            tmp.replace(self.out / "config.json")
+
+    # --- data ------------------------------------------------------------------------------------
+    def _augmented(self, s: Sample, epoch: int, index: int) -> Sample:
+        g = torch.Generator().manual_seed(_sample_seed(self.cfg.seed, epoch, index))
+        pts = augment_points(torch.as_tensor(s.points, dtype=torch.float64), self.origin,
+                             self.shape, self.cfg.voxel_size, g)
+        return dataclasses.replace(s, points=pts.numpy())
+
+    def _batch(self, dataset: Any, indices: Sequence[int], epoch: Optional[int]) -> Any:
+        samples = [dataset[i] for i in indices]
+        augment = epoch is not None and self.cfg.augment
+        if augment:
+            samples = [self._augmented(s, epoch, i) for s, i in zip(samples, indices)]
+        # Augmentation keeps points in the grid but jitter may nudge one across an edge: clip.
+        return collate(samples, self.cfg.voxel_size, self.origin, self.shape, augment=False,
+                       clip=augment)
+
+    def _forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(logits, labels, my voxels): logits [n_local, K] (seg) or [B_replica, K] (cls)."""
+        if self.seg:
+            x, labels = self.ctx.distribute(batch.x, batch.labels, align=self.stride)
+            return self.model(x).feats, labels, x.num_voxels
+        (x,) = self.ctx.distribute(batch.x, align=self.stride)
+        return self.model(x), batch.labels, x.num_voxels
+
+    # --- one step --------------------------------------------------------------------------------
+    def train_step(self, indices: Sequence[int], epoch: int) -> tuple[torch.Tensor, int]:
+        """Forward, backward, gradient all-reduce and update; returns (my loss share, my voxels)."""
+        self.model.train()
+        batch = self._batch(self.train_set, indices, epoch)
+        logits, labels, n_local = self._forward(batch)
+        ce = F.cross_entropy(logits, labels, reduction="sum")
+        if self.seg:
+            share = ce / self.ctx.global_count(n_local)
+        else:  # every spatial rank holds the replica's pooled logits: each carries 1/spatial
+            share = ce / (self.cfg.batch_size * self.ctx.spatial_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        share.backward()
+        self.ctx.allreduce_gradients(self.model)
+        self.optimizer.step()
+        self.scheduler.step()
+        return share.detach(), n_local
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Metrics on the whole validation split, each sample counted once. **Collective.**"""
+        self.model.eval()
+        cm = ConfusionMatrix(self.num_classes)
+        batches = ShardedBatches(len(self.val_set), self.cfg.batch_size,
+                                 replicas=self.ctx.num_replicas, rank=self.ctx.replica,
+                                 shuffle=False, drop_last=False)
+        for indices in batches:
+            if not indices:  # the short last step: this replica has nothing (no collective here)
+                continue
+            logits, labels, _ = self._forward(self._batch(self.val_set, indices, None))
+            # seg: each voxel lives on one rank. cls: every spatial rank holds the same logits,
+            # so only spatial rank 0 of a replica counts them.
+            if self.seg or self.ctx.position.spatial == 0:
+                cm.update(logits.argmax(1), labels)
+        cm.allreduce(self.ctx)
+        self.model.train()
+        rec: dict[str, Any] = {"kind": "eval", "step": self.step,
+                               "epoch": self.epoch,
+                               "samples": len(self.val_set)}
+        iou = cm.iou()
+        if self.seg:
+            rec.update(oa=cm.overall_accuracy(), miou=cm.mean_iou(), iou=iou, voxels=cm.total)
+        else:
+            per_class = cm.matrix.diagonal().double() / cm.matrix.sum(1).clamp(min=1).double()
+            rec.update(acc=cm.overall_accuracy(), macc=float(per_class.mean()), iou=iou)
+        return rec
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, path: Optional[Path] = None) -> Path:
+        """Rank 0 writes ``<out>/last.pt`` atomically with every rank's RNG state. **Collective.**"""
+        path = path or self.out / ckpt_io.LAST
+        states = self.comm.gather(ckpt_io.rng_state(), root=0)
+        if self.is_root:
+            ckpt_io.atomic_save({
+                "format": ckpt_io.FORMAT, "version": ckpt_io.VERSION, "step": self.step,
+                "epoch": self.epoch,
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "loader": self.batches.state_dict(),
+                "rng": states, "config": self.cfg.to_dict(),
+                "layout": {"replicas": self.layout.replicas, "stages": self.layout.stages,
+                           "grid": list(self.layout.grid), "world_size": self.layout.size},
+                "versions": _versions(self.comm)}, path)
+            self.metrics.sync()
+        self.comm.Barrier()  # nobody reads or exits before the file is in place
+        return path
+
+    # --- the loop --------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Train to ``total_steps`` (or until stopped), evaluate, checkpoint. **Collective.**"""
+        from tqdm import tqdm
+
+        cfg, t_start = self.cfg, time.perf_counter()
+        self._say(f"{cfg.task}: {cfg.model} width {cfg.width} depth {cfg.depth} "
+                  f"({sum(p.numel() for p in self.model.parameters()):,} parameters); "
+                  f"{len(self.train_set)} train / {len(self.val_set)} val samples; grid "
+                  f"{'x'.join(map(str, self.shape))} voxels of {cfg.voxel_size} m; {self.layout}; "
+                  f"{self.total_steps} steps of global batch {cfg.batch_size}; out {self.out}"
+                  + (f"; resumed at step {self.step}" if self.resumed_from else ""))
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=cfg.task, unit="step",
+                   disable=not (self.is_root and cfg.progress), mininterval=0.5, file=sys.stderr,
+                   dynamic_ncols=True)
+        last_train: Optional[dict[str, Any]] = None
+        last_eval: Optional[dict[str, Any]] = None
+        stopped = False
+        t0 = time.perf_counter()
+        while self.step < self.total_steps and not stopped:
+            for indices in self.batches:
+                epoch = self.epoch = self.batches.epoch
+                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+                share, n_local = self.train_step(indices, epoch)
+                self.step += 1
+                stats = torch.tensor([float(share), float(n_local), float(bool(self.should_stop()))],
+                                     dtype=torch.float64)
+                allreduce_(stats, self.comm)  # one collective: loss, voxels and stop agreement
+                t1 = time.perf_counter()
+                last_train = {"kind": "train", "step": self.step, "epoch": epoch,
+                              "loss": float(stats[0]), "lr": lr,
+                              "voxels": int(stats[1]), "voxels_per_s": float(stats[1]) / (t1 - t0)}
+                t0 = t1
+                self.metrics.write(last_train)
+                bar.update(1)
+                bar.set_postfix(loss=f"{last_train['loss']:.3f}",
+                                vox_s=f"{last_train['voxels_per_s']:.0f}", refresh=False)
+                stopped = bool(stats[2] > 0)
+                done = self.step >= self.total_steps
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and not done and not stopped:
+                    last_eval = self.evaluate()
+                    self.metrics.write(last_eval)
+                    self._say(self._eval_text(last_eval), bar)
+                    t0 = time.perf_counter()  # keep eval time out of voxels/s
+                if stopped or done or (cfg.checkpoint_every
+                                       and self.step % cfg.checkpoint_every == 0):
+                    self.save_checkpoint()
+                    t0 = time.perf_counter()
+                if stopped or done:
+                    break
+        bar.close()
+        if stopped:
+            self._say(f"stop requested: checkpoint at step {self.step} in "
+                      f"{self.out / ckpt_io.LAST}; continue with --resume auto --out {self.out}")
+        else:
+            if last_train is None:
+                self._say(f"checkpoint is already at step {self.step} of {self.total_steps}: "
+                          "nothing to train")
+            last_eval = self.evaluate()
+            self.metrics.write(last_eval)
+        self.metrics.sync()
+        summary = format_summary(last_train, last_eval, time.perf_counter() - t_start)
+        self._say(summary)
+        self.metrics.close()
+        return {"step": self.step, "stopped": stopped, "train": last_train, "eval": last_eval,
+                "summary": summary}
+
+    # --- messages --------------------------------------------------------------------------------
+    def _say(self, text: str, bar: Any = None) -> None:
+        if self._log is None:
+            return
+        if bar is not None and not bar.disable:
+            bar.write(text)  # above the bar instead of through it
+        else:
+            self._log(text)
+        sys.stdout.flush()
+
+    def _eval_text(self, rec: dict[str, Any]) -> str:
+        if self.seg:
+            return f"eval step {rec['step']}: oa {rec['oa']:.4f} miou {rec['miou']:.4f}"
+        return f"eval step {rec['step']}: acc {rec['acc']:.4f} macc {rec['macc']:.4f}"

@@ -1,0 +1,164 @@
+"""Evaluation metrics (confusion matrix, accuracy, IoU) and the run's ``metrics.jsonl`` log.
+
+    cm = ConfusionMatrix(num_classes=8)
+    cm.update(logits.argmax(1), labels)      # on every rank, its own voxels
+    cm.allreduce(ctx)                        # sum over ranks: each voxel lives on exactly one
+    cm.overall_accuracy(), cm.mean_iou(), cm.iou()
+
+    log = MetricsLog(out / "metrics.jsonl", enabled=ctx.is_root)
+    log.write({"kind": "train", "step": 10, "loss": 0.42})
+
+IoU of class k is ``TP / (TP + FP + FN)``; a class that appears in neither the predictions nor the
+labels has no IoU (``None`` in the list, left out of the mean), as in S3DIS/ScanNet evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["ConfusionMatrix", "MetricsLog", "read_metrics", "format_summary"]
+
+
+class ConfusionMatrix:
+    """``matrix[t, p]``: how many items of true class t were predicted as p (int64 [K, K])."""
+
+    def __init__(self, num_classes: int):
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1; got {num_classes}")
+        self.num_classes = num_classes
+        self.matrix = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+
+    def update(self, pred: torch.Tensor, target: torch.Tensor) -> None:
+        """Count predicted vs true classes; ``pred`` and ``target`` int [N] in [0, K)."""
+        if pred.shape != target.shape:
+            raise ValueError(f"pred {list(pred.shape)} and target {list(target.shape)} must have "
+                             "the same shape")
+        k = self.num_classes
+        idx = target.long().reshape(-1) * k + pred.long().reshape(-1)
+        self.matrix += torch.bincount(idx, minlength=k * k).view(k, k)
+
+    def allreduce(self, ctx: Any) -> "ConfusionMatrix":
+        """Sum over the ranks of ``ctx`` (a ParallelContext); in place, returns self."""
+        ctx.allreduce(self.matrix)
+        return self
+
+    @property
+    def total(self) -> int:
+        return int(self.matrix.sum())
+
+    def overall_accuracy(self) -> float:
+        """Fraction of items predicted right (NaN when nothing was counted)."""
+        total = self.total
+        return float(self.matrix.diagonal().sum()) / total if total else math.nan
+
+    def iou(self) -> list[Optional[float]]:
+        """Per-class IoU; None for a class absent from both predictions and labels."""
+        m = self.matrix.double()
+        tp = m.diagonal()
+        union = m.sum(0) + m.sum(1) - tp
+        return [float(t / u) if u > 0 else None for t, u in zip(tp.tolist(), union.tolist())]
+
+    def mean_iou(self) -> float:
+        vals = [v for v in self.iou() if v is not None]
+        return sum(vals) / len(vals) if vals else math.nan
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN: write null instead (strict parsers reject the bare token)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``path``; does nothing when not ``enabled`` (ranks > 0).
+
+    Each line is flushed and fsync'ed at ``sync`` points, so a killed run leaves whole lines.
+    """
+
+    def __init__(self, path: str | Path, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        self._file = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps(_clean(record)) + "\n")
+        self._file.flush()
+
+    def sync(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def truncate_after(self, step: int) -> int:
+        """Drop records with ``step`` > ``step`` (written by a run that died after its last
+        checkpoint, and about to be written again by the resumed run). Returns how many."""
+        if self._file is None or not self.path.exists():
+            return 0
+        self._file.close()
+        keep, dropped = [], 0
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1  # a line cut short by a crash
+                continue
+            if isinstance(rec, dict) and rec.get("step", 0) > step:
+                dropped += 1
+            else:
+                keep.append(line)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+        return dropped
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: str | Path, kind: Optional[str] = None) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``, optionally only those of one ``kind``."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            if kind is None or rec.get("kind") == kind:
+                out.append(rec)
+    return out
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def format_summary(train: Optional[dict[str, Any]], evaluation: Optional[dict[str, Any]],
+                   seconds: float) -> str:
+    """One line: steps, last loss, eval metrics and wall time."""
+    parts = ["done:"]
+    if train is not None:
+        parts += [f"step {train['step']}", f"epoch {train['epoch']}", f"loss {train['loss']:.4f}"]
+    if evaluation is not None:
+        for key in ("oa", "miou", "acc"):
+            if key in evaluation and evaluation[key] is not None:
+                parts.append(f"{key} {_fmt(evaluation[key])}")
+    parts.append(f"time {seconds:.1f} s")
+    return " ".join(parts)
+

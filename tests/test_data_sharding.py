@@ -1,0 +1,109 @@
+"""ShardedBatches: deterministic order, exact resume, replicas that partition each global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsepipe_hpc.data import ShardedBatches
+
+torch.set_num_threads(1)
+
+
+def run(sampler, epochs):
+    """Every (epoch, step, indices) a training loop sees, until ``epochs`` are done."""
+    seen = []
+    while sampler.epoch < epochs:
+        e = sampler.epoch
+        for idx in sampler:
+            seen.append((e, idx))
+    return seen
+
+
+def test_deterministic_and_epochs_differ():
+    a = run(ShardedBatches(50, 8, seed=3), 3)
+    b = run(ShardedBatches(50, 8, seed=3), 3)
+    assert a == b
+    assert len(a) == 3 * 6  # 50 // 8 steps; the ragged tail of 2 is dropped
+    epochs = [sorted(i for e, idx in a if e == ep for i in idx) for ep in range(3)]
+    assert all(len(set(x)) == 48 for x in epochs)  # no sample twice within an epoch
+    orders = [[i for e, idx in a if e == ep for i in idx] for ep in range(3)]
+    assert orders[0] != orders[1] != orders[2]
+    assert run(ShardedBatches(50, 8, seed=4), 1) != a[:6]
+
+
+def test_order_depends_only_on_seed_and_epoch():
+    s = ShardedBatches(20, 4, seed=1)
+    assert s.order(5).equal(ShardedBatches(20, 4, seed=1, epoch=2).order(5))
+    assert sorted(s.order(0).tolist()) == list(range(20))
+    assert ShardedBatches(20, 4, shuffle=False).order(3).tolist() == list(range(20))
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_replicas_partition_the_global_batch(replicas):
+    batch = 10
+    single = run(ShardedBatches(43, batch, seed=9), 2)
+    shards = [run(ShardedBatches(43, batch, replicas=replicas, rank=r, seed=9), 2)
+              for r in range(replicas)]
+    assert all(len(s) == len(single) for s in shards)
+    for step, (epoch, whole) in enumerate(single):
+        parts = [s[step][1] for s in shards]
+        assert all(s[step][0] == epoch for s in shards)
+        assert [i for p in parts for i in p] == whole  # contiguous, in replica order
+        assert sum(map(len, parts)) == len(set(i for p in parts for i in p))  # disjoint
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+@pytest.mark.parametrize("stop_after", [0, 1, 4, 5, 6, 11])
+def test_resume_sees_exactly_the_remaining_samples(stop_after):
+    full = run(ShardedBatches(40, 6, replicas=2, rank=1, seed=2), 3)
+    s = ShardedBatches(40, 6, replicas=2, rank=1, seed=2)
+    seen, state = [], None
+    while s.epoch < 3 and len(seen) < stop_after:
+        e = s.epoch
+        for idx in s:
+            seen.append((e, idx))
+            state = dict(s.state_dict())  # checkpoint after the step
+            if len(seen) == stop_after:
+                break
+    resumed = ShardedBatches(40, 6, replicas=2, rank=1, seed=2)
+    if state is not None:
+        resumed.load_state_dict(state)
+    assert seen + run(resumed, 3) == full
+
+
+def test_state_after_last_step_names_next_epoch():
+    s = ShardedBatches(12, 4, seed=0)
+    it = iter(s)
+    for _ in range(3):
+        next(it)
+    assert s.state_dict() == {"epoch": 1, "step_in_epoch": 0}
+    assert len(s) == 3 and s.steps_per_epoch == 3
+
+
+def test_len_counts_remaining_steps():
+    s = ShardedBatches(30, 4, seed=0)
+    s.load_state_dict({"epoch": 2, "step_in_epoch": 5})
+    assert len(s) == 2 and len(list(s)) == 2 and s.epoch == 3
+
+
+def test_no_drop_last_keeps_every_sample():
+    shards = [run(ShardedBatches(10, 4, replicas=3, rank=r, shuffle=False, drop_last=False), 1)
+              for r in range(3)]
+    assert [idx for _, idx in shards[0]] == [[0, 1], [4, 5], [8]]
+    assert [idx for _, idx in shards[2]] == [[3], [7], []]  # an empty shard still steps
+    assert sorted(i for s in shards for _, idx in s for i in idx) == list(range(10))
+
+
+def test_errors_name_values():
+    with pytest.raises(ValueError, match="smaller than the global batch 8"):
+        ShardedBatches(5, 8)
+    with pytest.raises(ValueError, match="smaller than replicas 4"):
+        ShardedBatches(50, 3, replicas=4, rank=0)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        ShardedBatches(50, 4, replicas=2, rank=2)
+    s = ShardedBatches(50, 8)
+    with pytest.raises(KeyError, match="step_in_epoch"):
+        s.load_state_dict({"epoch": 1})
+    with pytest.raises(ValueError, match="out of range"):
+        s.load_state_dict({"epoch": 0, "step_in_epoch": 7})

@@ -1,0 +1,107 @@
+"""Transports, grids and the exchange in one process (MPI.COMM_SELF, messages to oneself)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import halo
+from halo.plan import HaloPlan
+from halo.transport.base import CompletedRequest
+
+
+def test_process_grid_on_one_rank():
+    g = halo.ProcessGrid(MPI.COMM_SELF)
+    assert g.dims == (1, 1, 1) and g.coords == (0, 0, 0) and g.neighbours() == []
+    assert g.rank_of((0, 0, 0)) == 0
+    with pytest.raises(halo.GridError, match="outside the grid"):
+        g.rank_of((1, 0, 0))
+    with pytest.raises(halo.GridError, match="grid \\(2, 2, 1\\) has 4 ranks but the communicator "
+                                             "has 1; pass a grid whose product is 1"):
+        halo.ProcessGrid(MPI.COMM_SELF, (2, 2, 1))
+    with pytest.raises(halo.GridError, match="has 2 axes"):
+        halo.ProcessGrid(MPI.COMM_SELF, (1, 1))
+
+
+def test_mpi_transport_moves_any_dtype():
+    t = halo.MPITransport(MPI.COMM_SELF)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        src = (torch.arange(24).reshape(4, 6) % 3).to(dtype)
+        dst = torch.empty_like(src)
+        t.start([(0, src)], [(0, dst)], tag=5).wait()
+        assert torch.equal(src, dst)
+    src = torch.zeros(0, 3)
+    t.start([(0, src)], [(0, torch.zeros(0, 3))], tag=5).wait()  # empty messages are fine
+    assert isinstance(t.start([], [], 1), CompletedRequest)
+
+
+def test_mpi_transport_refuses_what_it_cannot_send():
+    t = halo.MPITransport(MPI.COMM_SELF)
+    with pytest.raises(halo.TransportError, match="not contiguous"):
+        t.start([(0, torch.zeros(4, 4).t())], [], 1)
+    with pytest.raises(halo.TransportError, match="is on meta; it moves host"):
+        t.start([(0, torch.zeros(4, device="meta"))], [], 1)
+
+
+def test_delayed_transport_holds_requests_back():
+    inner = halo.MPITransport(MPI.COMM_SELF)
+    slow = halo.DelayedTransport(inner, 0.03)
+    a, b = torch.ones(3), torch.zeros(3)
+    t0 = time.perf_counter()
+    req = slow.start([(0, a)], [(0, b)], 2)
+    assert not req.test()
+    req.wait()
+    assert time.perf_counter() - t0 >= 0.03 and torch.equal(a, b)
+    with pytest.raises(ValueError, match="seconds is -1"):
+        halo.DelayedTransport(inner, -1)
+
+
+def self_plan():
+    """Rank 0 sends itself two blocks; local row 2 is in both (like a corner voxel)."""
+    return HaloPlan(send_ranks=[0, 0], send_rows=[torch.tensor([1, 2]), torch.tensor([2, 4])],
+                    recv_ranks=[0, 0], recv_counts=[2, 2],
+                    halo_coords=torch.zeros(4, 4, dtype=torch.int32), num_local=5)
+
+
+def test_exchange_and_adjoint_on_a_self_loop():
+    ex = halo.HaloExchange(self_plan(), halo.MPITransport(MPI.COMM_SELF))
+    x = torch.arange(10, dtype=torch.float64).reshape(5, 2)
+    h = ex.start(x).wait()
+    assert torch.equal(h, x[[1, 2, 2, 4]])
+    g = torch.arange(8, dtype=torch.float64).reshape(4, 2) + 1
+    back = ex.start_adjoint(g).wait()
+    want = torch.zeros(5, 2, dtype=torch.float64)
+    want[1] += g[0]
+    want[2] += g[1] + g[2]
+    want[4] += g[3]
+    assert torch.equal(back, want)
+    # <H x, y> == <x, H^T y>
+    assert float((h * g).sum()) == pytest.approx(float((x * back).sum()))
+    xr = x.clone().requires_grad_(True)
+    (halo.halo_exchange(xr, ex) * g).sum().backward()
+    assert torch.equal(xr.grad, want)
+
+
+def test_exchange_with_nothing_to_send():
+    plan = HaloPlan([], [], [], [], torch.zeros(0, 4, dtype=torch.int32), num_local=3)
+    ex = halo.HaloExchange(plan, halo.MPITransport(MPI.COMM_SELF))
+    p = ex.start(torch.ones(3, 2))
+    assert p.test() and p.wait().shape == (0, 2)
+    assert torch.equal(ex.start_adjoint(torch.zeros(0, 2)).wait(), torch.zeros(3, 2))
+
+
+def test_build_plan_on_one_rank():
+    grid = halo.ProcessGrid(MPI.COMM_SELF)
+    cuts = halo.uniform_cuts((8, 8, 8), grid.dims)
+    coords = torch.tensor([[0, 1, 2, 3], [0, 7, 7, 7]], dtype=torch.int32)
+    plan = halo.build_plan(grid, cuts, coords, radius=1)
+    assert plan.num_halo == 0 and plan.num_local == 2 and plan.send_ranks == []
+    with pytest.raises(halo.PlanError, match="rows 0 and 1 are the same voxel"):
+        halo.build_plan(grid, cuts, coords[[0, 0]], radius=1)
+    with pytest.raises(halo.PlanError, match="expected \\[N, 4\\]"):
+        halo.build_plan(grid, cuts, coords[:, 1:], radius=1)
+    c, f = halo.distribute(grid, cuts, coords.flip(0), torch.tensor([[1.0], [2.0]]))
+    assert torch.equal(c, coords) and f[:, 0].tolist() == [2.0, 1.0]

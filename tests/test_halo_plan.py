@@ -1,0 +1,134 @@
+"""Halo-plan index arithmetic without MPI: radii, send selection, kernel-map split, references."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from halo.cuts import uniform_cuts
+from halo.kmap import coord_keys, kernel_map
+from halo.plan import (HaloPlan, PlanCache, PlanError, boundary_rows, halo_boxes, halo_radius,
+                       interior_rows, select_sends)
+from halo.reference import reference_halo, reference_neighbours, reference_owner
+from halo.synth import boundary_cloud, uniform_cloud, with_batch
+
+
+def reach(k, s, p, d, transposed):
+    """Largest distance (input voxels) from an aligned input box to an input a box output reads."""
+    lo_out, hi_out = (4 * s, 8 * s) if transposed else (4, 8)
+    lo_in, hi_in = (4, 8) if transposed else (4 * s, 8 * s)
+    inputs = []
+    for o in range(lo_out, hi_out):
+        for kk in range(k):
+            if transposed:  # in * s - p + kk * d == o
+                num = o + p - kk * d
+                if num % s == 0:
+                    inputs.append(num // s)
+            else:
+                inputs.append(o * s - p + kk * d)
+    return max(0, lo_in - min(inputs), max(inputs) - (hi_in - 1))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_halo_radius_is_the_exact_reach(transposed):
+    for k, s, p, d in itertools.product((1, 2, 3, 5), (1, 2, 3), (0, 1, 2), (1, 2)):
+        assert halo_radius(k, s, p, d, transposed) == reach(k, s, p, d, transposed), (k, s, p, d)
+    assert halo_radius(3, padding=1) == 1 and halo_radius(2, 2) == 0
+    assert halo_radius((3, 1, 5), 1, (1, 0, 2), 1) == 2  # the largest over the axes
+    with pytest.raises(PlanError, match="must be >= 1"):
+        halo_radius(0)
+
+
+def test_select_sends_matches_the_reference():
+    rng = np.random.default_rng(3)
+    cuts = uniform_cuts((24, 20, 16), (3, 2, 1), align=2)
+    cloud = with_batch(np.unique(np.concatenate([uniform_cloud(rng, 700, cuts.extent),
+                                                 boundary_cloud(rng, 300, cuts, 2)]), axis=0))
+    owner = reference_owner(cloud[:, 1:].numpy(), cuts)
+    me = (1, 0, 0)
+    mine = cloud[torch.from_numpy((owner == me).all(1))]
+    others = [c for c in itertools.product(range(3), range(2), range(1)) if c != me]
+    for radius in (1, 2, 3):
+        rows = select_sends(mine, [halo_boxes(cuts, c) for c in others], radius)
+        for c, r in zip(others, rows):
+            theirs = reference_halo(cloud, cuts, c, radius)
+            want = theirs[torch.from_numpy((reference_owner(theirs[:, 1:].numpy(), cuts) ==
+                                            me).all(1))]
+            assert torch.equal(mine[r], want)  # same voxels, same (key) order
+
+
+def test_reference_halo_covers_the_neighbour_search():
+    rng = np.random.default_rng(4)
+    cuts = uniform_cuts((16, 16, 16), (2, 2, 2))
+    cloud = with_batch(uniform_cloud(rng, 600, cuts.extent))
+    owner = reference_owner(cloud[:, 1:].numpy(), cuts)
+    for me in [(0, 0, 0), (1, 0, 1)]:
+        is_mine = torch.from_numpy((owner == me).all(1))
+        for r in (1, 2):
+            box_halo = coord_keys(reference_halo(cloud, cuts, me, r))
+            needed = reference_neighbours(cloud, is_mine, r)
+            assert bool(torch.isin(coord_keys(needed), box_halo).all())
+    # Hand-checked: neighbours of (5, 5, 5) within 1, and another batch is never a neighbour.
+    c = torch.tensor([[0, 5, 5, 5], [0, 6, 6, 6], [0, 7, 5, 5], [1, 5, 5, 6], [0, 4, 5, 4]]).int()
+    got = reference_neighbours(c, torch.tensor([True, False, False, False, False]), 1)
+    assert got.tolist() == [[0, 4, 5, 4], [0, 6, 6, 6]]
+
+
+def hand_plan():
+    """A rank with 6 local voxels on a line and 3 halo voxels beyond its right face (x = 6)."""
+    local = torch.tensor([[0, x, 0, 0] for x in range(6)]).int()
+    halo = torch.tensor([[0, 6, 0, 0], [0, 7, 0, 0], [0, 6, 1, 0]]).int()
+    plan = HaloPlan(send_ranks=[1], send_rows=[torch.tensor([5, 4])], recv_ranks=[1],
+                    recv_counts=[3], halo_coords=halo, num_local=6, radius=2)
+    return plan, local, halo
+
+
+def test_kernel_maps_split_local_and_halo_pairs():
+    plan, local, halo = hand_plan()
+    lm, hm = plan.kernel_maps(local, local, 3, padding=1)
+    full = kernel_map(torch.cat([local, halo]), local, 3, padding=1)
+    assert lm.n_in == 6 and hm.n_in == 3 and lm.n_out == hm.n_out == 6
+    assert lm.num_pairs + hm.num_pairs == full.num_pairs
+    for k in range(27):
+        fi, fo = full.pairs(k)
+        li, lo = lm.pairs(k)
+        hi, ho = hm.pairs(k)
+        assert torch.equal(torch.cat([li, hi + 6]).sort()[0], fi.sort()[0])
+        assert sorted(zip((li).tolist(), lo.tolist())) == sorted(
+            (i, o) for i, o in zip(fi.tolist(), fo.tolist()) if i < 6)
+    # Only x = 5 touches (6, 0, 0) and (6, 1, 0); (7, 0, 0) is 2 away.
+    assert boundary_rows(hm).tolist() == [5]
+    assert interior_rows(hm).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(PlanError, match="built for 6 local rows"):
+        plan.kernel_maps(local[:5], local, 3, padding=1)
+    with pytest.raises(PlanError, match="needs the plan's cuts"):
+        plan.owned_outputs(local, 3, 2, 1, 1, (4, 4, 4))
+
+
+def test_plan_offsets_and_counts():
+    plan, _, _ = hand_plan()
+    assert plan.num_halo == 3 and plan.recv_offsets == [0, 3] and plan.send_counts == [2]
+
+
+def test_plan_cache_checks_hits():
+    built = []
+
+    def builder(grid, cuts, coords, radius, stride, transport):
+        built.append(radius)
+        return HaloPlan([], [], [], [], torch.zeros(0, 4, dtype=torch.int32), len(coords),
+                        stride, radius, (0, 0, 0), cuts)
+
+    cuts = uniform_cuts((8, 8, 8), (1, 1, 1))
+    coords = torch.zeros(3, 4, dtype=torch.int32)
+    cache = PlanCache()
+    a = cache.get_or_build("k", None, cuts, coords, 1, builder=builder)
+    assert cache.get_or_build("k", None, cuts, coords, 1, builder=builder) is a and built == [1]
+    assert "k" in cache and cache["k"] is a and len(cache) == 1
+    with pytest.raises(PlanError, match="key 'k' holds a plan for 3 rows, radius 1, stride 1; "
+                                        "asked for 2 rows"):
+        cache.get_or_build("k", None, cuts, coords[:2], 1, builder=builder)
+    cache.clear()
+    assert len(cache) == 0

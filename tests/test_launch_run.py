@@ -1,0 +1,305 @@
+"""launch.run: an exception on one rank ends the whole job promptly; SIGTERM runs the checkpoint.
+
+The MPI cases start real ``mpirun`` jobs (the command and environment of ``tests/test_mpi.py``);
+each is bounded by a timeout well below a hang, so a regression fails in seconds instead of
+stalling CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import launch.run as launch_run
+from launch.run import abort_on_exception, install_sigterm_handler, stop_requested
+
+try:
+    from test_mpi import mpi_env, mpirun_command
+except ImportError:  # pytest's importlib mode does not put tests/ on sys.path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_mpi import mpi_env, mpirun_command
+
+REPO = Path(__file__).resolve().parent.parent
+ABORT_DEADLINE_S = 20.0
+
+
+def _env() -> dict[str, str]:
+    env = mpi_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for key in list(env):  # a CI runner inside a SLURM job must not leak its step into the test
+        if key.startswith(("SLURM", "PBS_", "PALS_", "PMI_")):
+            del env[key]
+    return env
+
+
+def _script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _launch(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launch", "run", *args]
+
+
+# --------------------------------------------------------------------------------------------------
+# Abort on an exception
+
+
+def test_exception_on_rank_1_of_4_ends_the_job(tmp_path):
+    script = _script(tmp_path, "boom.py", """\
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        if comm.rank == 1:
+            raise RuntimeError("deliberate failure on rank 1")
+        if comm.rank == 2:
+            comm.recv(source=1)          # waits for a message that never comes
+        comm.Barrier()                   # ranks 0 and 3 wait for rank 1 forever
+        print("survived", comm.rank)
+        """)
+    start = time.monotonic()
+    proc = subprocess.run(mpirun_command(4) + _launch(str(script)), env=_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert elapsed < ABORT_DEADLINE_S, f"job took {elapsed:.1f} s to end"
+    assert "[rank 1] Traceback (most recent call last):" in proc.stderr
+    assert "[rank 1] RuntimeError: deliberate failure on rank 1" in proc.stderr
+    assert f"[rank 1]   File \"{script}\"" in proc.stderr  # the runner's own frames are trimmed
+    assert "survived" not in proc.stdout
+    assert "[rank 0] Traceback" not in proc.stderr
+
+
+def test_nonzero_exit_on_one_rank_ends_the_job(tmp_path):
+    script = _script(tmp_path, "leave.py", """\
+        import sys
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        if comm.rank == 1:
+            sys.exit(3)
+        comm.Barrier()
+        """)
+    start = time.monotonic()
+    proc = subprocess.run(mpirun_command(2) + _launch(str(script)), env=_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < ABORT_DEADLINE_S
+    assert "[rank 1] exited with status 3" in proc.stderr
+
+
+def test_one_rank_exits_1_without_abort(tmp_path):
+    script = _script(tmp_path, "boom1.py", """\
+        from mpi4py import MPI
+        assert MPI.COMM_WORLD.size == 1
+        raise KeyError("alone")
+        """)
+    proc = subprocess.run(_launch(str(script)), env=_env(), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "[rank 0] KeyError: 'alone'" in proc.stderr
+    assert "MPI_ABORT" not in proc.stderr and "aborting" not in proc.stderr
+
+
+def test_hook_labels_the_rank_and_returns_without_mpi(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(launch_run, "_live_mpi", lambda: None)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    abort_on_exception()
+    try:
+        raise ValueError("bad voxel")
+    except ValueError as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)  # returns: Python would exit 1
+    err = capsys.readouterr().err
+    assert err.startswith("[rank 3] Traceback (most recent call last):")
+    assert "[rank 3] ValueError: bad voxel" in err
+    assert all(line.startswith("[rank 3] ") for line in err.splitlines())
+
+
+def test_hook_aborts_a_live_multi_rank_world(monkeypatch, capsys):
+    calls = []
+
+    class FakeComm:
+        def Get_rank(self):
+            return 2
+
+        def Get_size(self):
+            return 4
+
+        def Abort(self, code):
+            calls.append(code)
+
+    class FakeMPI:
+        COMM_WORLD = FakeComm()
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(launch_run, "_live_mpi", lambda: FakeMPI)
+    abort_on_exception()
+    sys.excepthook(OSError, OSError("disk"), None)
+    assert calls == [1]
+    assert "[rank 2] OSError: disk" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# SIGTERM
+
+
+_TERM_SCRIPT = """\
+    import sys, time
+    from launch.run import install_sigterm_handler
+    try:
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.rank if len(sys.argv) > 2 else 0
+        if len(sys.argv) > 2:
+            MPI.COMM_WORLD.Barrier()
+    except ImportError:
+        rank = 0
+
+    def last_checkpoint():
+        with open(f"{sys.argv[1]}.{rank}", "w") as handle:
+            handle.write(f"checkpoint of rank {rank}\\n")
+
+    install_sigterm_handler(last_checkpoint)
+    if rank == 0:
+        print("ready", flush=True)
+    while True:
+        time.sleep(0.02)
+    """
+
+
+def _terminate_when_ready(cmd, tmp_path):
+    proc = subprocess.Popen(cmd, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.2)  # let every rank reach its sleep loop
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, err
+
+
+def test_sigterm_runs_the_callback_then_exits_143(tmp_path):
+    script = _script(tmp_path, "term.py", _TERM_SCRIPT)
+    code, err = _terminate_when_ready(_launch(str(script), str(tmp_path / "ckpt")), tmp_path)
+    assert code == 143, err
+    assert (tmp_path / "ckpt.0").read_text() == "checkpoint of rank 0\n"
+    assert "[rank 0] SIGTERM received: running the last-checkpoint callback" in err
+    assert "Traceback" not in err
+
+
+def test_sigterm_to_mpirun_checkpoints_every_rank(tmp_path):
+    script = _script(tmp_path, "term.py", _TERM_SCRIPT)
+    cmd = mpirun_command(2) + _launch(str(script), str(tmp_path / "ckpt"), "mpi")
+    code, err = _terminate_when_ready(cmd, tmp_path)
+    assert code != 0
+    for rank in range(2):
+        assert (tmp_path / f"ckpt.{rank}").read_text() == f"checkpoint of rank {rank}\n", err
+
+
+@pytest.fixture
+def restore_sigterm(monkeypatch):
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(launch_run, "_stop_signal", None)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_without_callback_only_the_flag_is_raised(restore_sigterm):
+    install_sigterm_handler()
+    assert not stop_requested()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)  # the handler runs at the next bytecode boundary
+    assert stop_requested()
+
+
+def test_callback_without_exit_and_repeat_signal_ignored(restore_sigterm):
+    calls = []
+    install_sigterm_handler(lambda: calls.append("ckpt"), exit_after=False)
+    for _ in range(2):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+    assert calls == ["ckpt"] and stop_requested()
+
+
+def test_callback_then_terminated(restore_sigterm):
+    install_sigterm_handler(lambda: None)
+    with pytest.raises(launch_run.Terminated) as info:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    assert info.value.code == 143 and isinstance(info.value, SystemExit)
+
+
+def test_handler_must_be_installed_from_the_main_thread():
+    import threading
+
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(
+        pytest.raises(launch_run.LaunchError, install_sigterm_handler, lambda: None)))
+    thread.start()
+    thread.join()
+    assert "main thread" in str(errors[0].value)
+
+
+# --------------------------------------------------------------------------------------------------
+# The runner's command line
+
+
+_ECHO = """\
+    import json, sys
+    print(json.dumps({"name": __name__, "argv": sys.argv}))
+    """
+
+
+def test_runs_a_module_with_its_arguments(tmp_path):
+    _script(tmp_path, "echo_args.py", _ECHO)
+    proc = subprocess.run(_launch("-m", "echo_args", "a", "--b", "c d"), env=_env(),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
+    out = json.loads(proc.stdout)
+    assert out["name"] == "__main__" and out["argv"][1:] == ["a", "--b", "c d"]
+    assert out["argv"][0].endswith("echo_args.py")
+
+
+def test_runs_a_script_with_its_arguments(tmp_path):
+    script = _script(tmp_path, "echo_args.py", _ECHO)
+    proc = subprocess.run(_launch(str(script), "-x", "1"), env=_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(proc.stdout) == {"name": "__main__", "argv": [str(script), "-x", "1"]}
+
+
+def test_runs_a_command(tmp_path):
+    proc = subprocess.run(_launch("-c", "import sys; print(sys.argv)", "z"), env=_env(),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
+    assert proc.stdout.strip() == "['-c', 'z']"
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "usage"), (["--bogus"], "unknown option '--bogus'"), (["-m"], "-m needs an argument"),
+    (["missing.py"], "script 'missing.py' does not exist"),
+])
+def test_bad_command_lines_exit_2(tmp_path, args, message):
+    proc = subprocess.run(_launch(*args), env=_env(), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_top_level_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launch", "nonsense"], env=_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown command 'nonsense'" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "launch", "--help"], env=_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert all(word in proc.stdout for word in ("info", "run", "job"))

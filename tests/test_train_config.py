@@ -1,0 +1,101 @@
+"""Trainer options: CLI parsing, TOML config files, task defaults, bad-input errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsepipe_hpc.train.config import (TASK_DEFAULTS, ConfigError, TrainConfig, parse_config,
+                                         resolve_layout)
+
+
+def test_defaults_by_task():
+    seg = parse_config([])
+    assert (seg.task, seg.model, seg.grid, seg.engine, seg.threads) == ("seg", "unet", (1, 1, 1),
+                                                                          "auto", 1)
+    assert seg.batch_size == TASK_DEFAULTS["seg"]["batch_size"]
+    cls = parse_config(["--task", "cls"])
+    assert cls.model == "resnet" and cls.voxel_size == TASK_DEFAULTS["cls"]["voxel_size"]
+    assert parse_config(["--optimizer", "sgd"]).lr == pytest.approx(10 * seg.lr)  # SGD's default
+    assert parse_config(["--optimizer", "sgd", "--lr", "0.5"]).lr == 0.5
+
+
+def test_cli_options():
+    cfg = parse_config(["--width", "8", "--depth", "2", "--steps", "7", "--batch-size", "6",
+                        "--voxel-size", "0.1", "--grid", "2,1,1", "--replicas", "3",
+                        "--cuts", "uniform", "--no-overlap", "--engine", "torch",
+                        "--threads", "2", "--resume", "auto", "--out", "runs/x",
+                        "--checkpoint-every", "5", "--eval-every", "3", "--schedule", "constant",
+                        "--no-augment", "--no-progress", "--seed", "4", "--weight-decay", "0"])
+    assert cfg.grid == (2, 1, 1) and cfg.replicas == 3 and cfg.overlap is False
+    assert (cfg.width, cfg.depth, cfg.steps, cfg.batch_size, cfg.voxel_size) == (8, 2, 7, 6, 0.1)
+    assert (cfg.cuts, cfg.engine, cfg.threads, cfg.resume, cfg.out) == ("uniform", "torch", 2,
+                                                                        "auto", "runs/x")
+    assert (cfg.checkpoint_every, cfg.eval_every, cfg.schedule) == (5, 3, "constant")
+    assert cfg.augment is False and cfg.progress is False and cfg.seed == 4
+    assert cfg.to_dict()["grid"] == [2, 1, 1]
+
+
+def test_config_file_and_command_line_wins(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('task = "seg"\nbatch-size = 8\nlr = 0.01\ngrid = [2, 1, 1]\n'
+                 'no-overlap = true\nweight_decay = 0.0\nsteps = 30\n')
+    cfg = parse_config(["--config", str(f), "--lr", "0.02"])
+    assert cfg.batch_size == 8 and cfg.grid == (2, 1, 1) and cfg.overlap is False
+    assert cfg.weight_decay == 0.0 and cfg.steps == 30
+    assert cfg.lr == 0.02  # the command line wins
+    assert parse_config(["--config", str(f), "--overlap"]).overlap is True
+    f.write_text('overlap = false\ngrid = "1,2,1"\n')
+    cfg = parse_config(["--config", str(f)])
+    assert cfg.overlap is False and cfg.grid == (1, 2, 1)
+
+
+@pytest.mark.parametrize("text, match", [
+    ('bogus = 1\n', "unknown key 'bogus'"),
+    ('batch-size = "many"\n', "--config .*batch-size.*invalid positive int"),
+    ('no-overlap = 1\n', "must be true or false"),
+    ('task = "detect"\n', "--config .*invalid choice: 'detect'"),
+    ('lr = [1, 2]\n', "takes one value"),
+    ('this is not toml\n', "not valid TOML"),
+])
+def test_bad_config_file(tmp_path, text, match):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        parse_config(["--config", str(f)])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--task", "detect"], "argument --task: invalid choice: 'detect'"),
+    (["--batch-size", "0"], "argument --batch-size: must be >= 1; got 0"),
+    (["--voxel-size", "-1"], "argument --voxel-size: must be a finite number > 0; got -1"),
+    (["--grid", "2,2"], "grid must be three positive integers"),
+    (["--model", "unet", "--task", "cls"], "--model unet is a seg model but --task is cls; "
+                                           "pass --model resnet"),
+    (["--engine", "spconv", "--threads", "2"], "spconv.*more than one thread; pass --threads 1"),
+    (["--resume", "auto"], "needs --out DIR"),
+    (["--config", "/nonexistent/x.toml"], "no such file"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+])
+def test_bad_options(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(argv)
+
+
+def test_layout_checks():
+    cfg = parse_config(["--batch-size", "6"])
+    with pytest.raises(ConfigError, match=r"^--batch-size 6 cannot be split over 4 replicas; "
+                                          r"pass a multiple of 4$"):
+        resolve_layout(cfg, 4)
+    assert resolve_layout(cfg, 3).replicas == 3
+    grid = parse_config(["--grid", "2,1,1", "--batch-size", "4"])
+    layout = resolve_layout(grid, 4)
+    assert (layout.replicas, layout.spatial_size) == (2, 2)
+    with pytest.raises(ConfigError, match="does not divide the 3 ranks"):
+        resolve_layout(grid, 3)
+    with pytest.raises(ConfigError, match="but the job has 4"):
+        resolve_layout(parse_config(["--replicas", "3"]), 4)
+
+
+def test_errors_are_value_errors():
+    assert issubclass(ConfigError, ValueError)
+    assert TrainConfig().task == "seg"
