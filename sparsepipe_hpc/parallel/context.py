@@ -33,7 +33,8 @@ __all__ = ["ParallelContext"]
 
 class ParallelContext:
     def __init__(self, comm: Any, layout: RankLayout, cuts: str = "balanced",
-                 overlap: bool = True, transport: Any = None):
+                 overlap: bool = True, transport: Any = None, force_spatial: bool = False):
+        """``force_spatial``: run the distributed layers even on a 1x1x1 grid (benchmarks)."""
         if layout.size != comm.Get_size():
             raise ValueError(f"layout {layout} does not match the communicator's "
                              f"{comm.Get_size()} ranks")
@@ -49,7 +50,7 @@ class ParallelContext:
         self.overlap = overlap
         self.spatial: Any = None  # the current batch's SpatialDomain (bound copies only)
         self.group: Any = None
-        if layout.spatial_size > 1:
+        if layout.spatial_size > 1 or force_spatial:
             from sparsepipe_hpc.parallel.spatial import SpatialGroup
 
             self.group = SpatialGroup(self.spatial_comm, layout.grid, transport=transport,

@@ -25,6 +25,7 @@ backward fetches those rows' gradients (the forward exchange).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -53,6 +54,14 @@ class DistMaps:
     local: KernelMap          # local input rows -> local output rows
     halo: Optional[KernelMap]  # halo rows (0..H-1) -> local output rows; None: no halo
     exchange: Any = None
+    group: Any = None          # the SpatialGroup, which keeps the exposed-wait clock
+
+    def wait(self, pending: Any) -> Any:
+        """Wait for an exchange, counting the time blocked as exposed communication."""
+        t = time.perf_counter()
+        out = pending.wait()
+        self.group.exposed_wait_s += time.perf_counter() - t
+        return out
 
 
 class SpatialGroup:
@@ -66,6 +75,7 @@ class SpatialGroup:
         self.grid = ProcessGrid(comm, dims)
         self.transport = transport if transport is not None else MPITransport(self.grid.comm)
         self.overlap = overlap
+        self.exposed_wait_s = 0.0  # time blocked in exchange waits (what overlap did not hide)
 
     def decompose(self, x: SparseTensor, align: int = 1, balanced: bool = True) -> "SpatialDomain":
         """Cut the grid for a batch every rank of the group holds in full (collective)."""
@@ -143,7 +153,7 @@ class SpatialDomain:
         else:
             local, halo = plan.kernel_maps(x.coords, out, s.kernel_size, s.stride, s.padding,
                                            s.dilation)
-            maps = DistMaps(local, halo, HaloExchange(plan, self.group.transport))
+            maps = DistMaps(local, halo, HaloExchange(plan, self.group.transport), self.group)
         return ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, None, maps)
 
 
@@ -162,13 +172,14 @@ class _DistConv(torch.autograd.Function):
         if transposed:
             # Contributions to rows the neighbours own go first, so they travel during the rest.
             pending = maps.exchange.start_adjoint(engine.forward(feats, weight, halo_map))
-            out = _overlapped(pending, overlap, lambda p: engine.forward(feats, weight, local, p))
-            out += pending.wait()
+            out = _overlapped(maps, pending, overlap,
+                              lambda p: engine.forward(feats, weight, local, p))
+            out += maps.wait(pending)
             ctx.save_for_backward(feats, weight, None)
             return out
         pending = maps.exchange.start(feats.detach())
-        out = _overlapped(pending, overlap, lambda p: engine.forward(feats, weight, local, p))
-        halo = pending.wait()
+        out = _overlapped(maps, pending, overlap, lambda p: engine.forward(feats, weight, local, p))
+        halo = maps.wait(pending)
         out += engine.forward(halo, weight, halo_map)
         ctx.save_for_backward(feats, weight, halo)
         return out
@@ -186,22 +197,22 @@ class _DistConv(torch.autograd.Function):
         if ctx.transposed:
             # The gradients of the halo rows live on their owners: fetch them meanwhile.
             pending = maps.exchange.start(grad_out)
-            g_in, g_w = _overlapped(pending, overlap,
+            g_in, g_w = _overlapped(maps, pending, overlap,
                                     lambda p: engine.backward(feats, weight, grad_out, local, p))
-            g_halo_out = pending.wait()
+            g_halo_out = maps.wait(pending)
             g_in2, g_w2 = engine.backward(feats, weight, g_halo_out, halo_map)
             return g_in + g_in2, g_w + g_w2, None, None, None, None
         g_halo, g_w_halo = engine.backward(halo, weight, grad_out, halo_map)
         pending = maps.exchange.start_adjoint(g_halo)
-        g_in, g_w = _overlapped(pending, overlap,
+        g_in, g_w = _overlapped(maps, pending, overlap,
                                 lambda p: engine.backward(feats, weight, grad_out, local, p))
-        g_in += pending.wait()
+        g_in += maps.wait(pending)
         return g_in, g_w + g_w_halo, None, None, None, None
 
 
-def _overlapped(pending: Any, overlap: bool, compute):
+def _overlapped(maps: DistMaps, pending: Any, overlap: bool, compute):
     """Run ``compute(progress)`` while the exchange is in flight, or after it without overlap."""
     if not overlap:
-        pending.wait()  # idempotent: the later wait() returns the same result at once
+        maps.wait(pending)  # idempotent: the later wait() returns the same result at once
         return compute(None)
     return compute(pending.test)

@@ -158,3 +158,31 @@ def test_hybrid_spatial_and_data_parallel(comm):
     ctx.allreduce_gradients(dist)
     for ps, pd in zip(serial.parameters(), dist.parameters()):
         torch.testing.assert_close(pd.grad, ps.grad, **TOL)
+
+
+@pytest.mark.parametrize("cuts", ["uniform", "balanced"])
+def test_optimizer_steps_match_serial(comm, cuts):
+    """Three SGD steps on a spatial grid over all ranks give the serial run's parameters."""
+    x = make_cloud(9, "random", batch=2)
+    labels = coord_keys(x.coords) % 3
+    torch.manual_seed(0)
+    serial = SparseUNet(3, 3, width=4, depth=2).double()
+    dist = copy.deepcopy(serial)
+    ctx = ParallelContext(comm, RankLayout(1, 1, (comm.size, 1, 1)), cuts=cuts)
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    opt_d = torch.optim.SGD(dist.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        opt_s.zero_grad()
+        torch.nn.functional.cross_entropy(serial(x.replace(kmaps={})).feats, labels).backward()
+        opt_s.step()
+        opt_d.zero_grad()
+        xl, yl = ctx.distribute(x.replace(kmaps={}), labels, align=4)
+        share = torch.nn.functional.cross_entropy(dist(xl).feats, yl, reduction="sum") / \
+            ctx.global_count(len(yl))
+        share.backward()
+        ctx.allreduce_gradients(dist)
+        opt_d.step()
+    for ps, pd in zip(serial.parameters(), dist.parameters()):
+        torch.testing.assert_close(pd, ps, **TOL)
+    for bs, bd in zip(serial.buffers(), dist.buffers()):
+        torch.testing.assert_close(bd.double(), bs.double(), **TOL)

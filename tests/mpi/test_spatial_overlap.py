@@ -1,0 +1,81 @@
+"""Overlap: the local convolution progresses the halo exchange, and turning overlap off does not
+change a single number. (How much time overlap hides is a benchmark figure, not a test.)"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from halo.transport.base import Request, Transport
+from halo.transport.delay import DelayedTransport
+from halo.transport.mpi import MPITransport
+from sparsepipe_hpc.nn import SparseUNet
+from sparsepipe_hpc.parallel.context import ParallelContext
+from sparsepipe_hpc.parallel.layout import RankLayout
+
+from test_spatial import make_cloud
+
+
+class SpyRequest(Request):
+    def __init__(self, inner: Request, log: dict):
+        self.inner, self.log = inner, log
+        self.waited = False
+
+    def test(self) -> bool:
+        done = self.inner.test()
+        if not self.waited:
+            self.log["tests_before_wait"] += 1
+            self.log["done_before_wait"] += int(done)
+        return done
+
+    def wait(self) -> None:
+        self.waited = True
+        self.inner.wait()
+
+
+class SpyTransport(Transport):
+    def __init__(self, inner: Transport):
+        self.inner = inner
+        self.log = {"starts": 0, "tests_before_wait": 0, "done_before_wait": 0}
+
+    def start(self, sends, recvs, tag):
+        self.log["starts"] += 1
+        return SpyRequest(self.inner.start(sends, recvs, tag), self.log)
+
+
+def run(comm, overlap: bool, transport_factory):
+    grid = (comm.size, 1, 1)
+    probe = ParallelContext(comm, RankLayout(1, 1, grid))
+    transport = transport_factory(MPITransport(probe.group.grid.comm))
+    ctx = ParallelContext(comm, RankLayout(1, 1, grid), overlap=overlap, transport=transport)
+    torch.manual_seed(0)
+    net = SparseUNet(3, 4, width=4, depth=2, engine="torch").double()
+    x, = ctx.distribute(make_cloud(2, "random"), align=4)
+    f = x.feats.clone().requires_grad_()
+    y = net(x.replace(feats=f))
+    (y.feats ** 2).sum().backward()
+    return y.feats.detach(), f.grad, [p.grad for p in net.parameters()], transport
+
+
+def test_local_work_progresses_the_exchange(comm):
+    if comm.size < 2:
+        pytest.skip("needs neighbours")
+    _, _, _, spy = run(comm, True, SpyTransport)
+    assert spy.log["starts"] > 0
+    # Request.test() (MPI_Testall) is called between kernel offsets while messages travel.
+    assert spy.log["tests_before_wait"] >= spy.log["starts"]
+    _, _, _, spy_off = run(comm, False, SpyTransport)
+    assert spy_off.log["tests_before_wait"] == 0
+
+
+def test_overlap_on_off_and_delay_give_identical_results(comm):
+    if comm.size < 2:
+        pytest.skip("needs neighbours")
+    a = run(comm, True, lambda t: t)
+    b = run(comm, False, lambda t: t)
+    c = run(comm, True, lambda t: DelayedTransport(t, 0.002))
+    for other in (b, c):
+        assert torch.equal(a[0], other[0]) and torch.equal(a[1], other[1])
+        assert all(torch.equal(p, q) for p, q in zip(a[2], other[2]))
