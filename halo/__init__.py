@@ -19,7 +19,9 @@ split over a 2 x 2 x 1 grid of ranks (run under ``mpirun -n 4``)::
 
 Coordinates are int32 [N, 4] (batch, x, y, z) global voxel indices throughout; see each module
 for its tensor contracts: :mod:`halo.grid`, :mod:`halo.cuts`, :mod:`halo.ownership`,
-:mod:`halo.plan`, :mod:`halo.exchange`, :mod:`halo.transport`, :mod:`halo.kmap`.
+:mod:`halo.plan`, :mod:`halo.exchange`, :mod:`halo.transport`, :mod:`halo.kmap`,
+:mod:`halo.balance`; :mod:`halo.synth` (synthetic clouds) and :mod:`halo.reference` (brute-force
+references) serve tests and benchmarks.
 
 Names are imported on first use (PEP 562), so ``import halo.kmap`` alone does not load mpi4py
 (importing ``mpi4py.MPI`` initializes MPI).
@@ -40,6 +42,7 @@ _EXPORTS = {
     "halo.exchange": ["HaloExchange", "Pending", "halo_exchange", "ExchangeError"],
     "halo.transport": ["Transport", "Request", "TransportError", "MPITransport",
                        "DelayedTransport"],
+    "halo.balance": ["minmax_cuts"],
     "halo.kmap": ["KernelMap", "kernel_map", "output_coords", "coord_keys"],
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
@@ -47,6 +50,7 @@ _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = [name for names in _EXPORTS.values() for name in names]
 
 if TYPE_CHECKING:
+    from halo.balance import minmax_cuts  # noqa: F401
     from halo.cuts import (CutError, Cuts, axis_histograms, balanced_cuts,  # noqa: F401
                            cuts_from_histograms, uniform_cuts)
     from halo.exchange import ExchangeError, HaloExchange, Pending, halo_exchange  # noqa: F401

@@ -115,13 +115,43 @@ def _fullest(hist: np.ndarray, pos: list[np.ndarray]) -> int:
     return int(box_counts(hist, pos).max(initial=0))
 
 
+def _descend(hist: np.ndarray, dims: list[int], mins: list[int], pos: list[np.ndarray],
+             sweeps: int) -> tuple[list[np.ndarray], int]:
+    """Coordinate descent from ``pos``: exact one-axis min-max steps while the fullest box shrinks."""
+    best = _fullest(hist, pos)
+    for _ in range(sweeps):
+        improved = False
+        for a in range(3):
+            if dims[a] == 1:
+                continue
+            got = _best_axis(_columns(hist, a, pos), dims[a], mins[a], best)
+            if got is None:
+                continue
+            trial = pos[:a] + [got] + pos[a + 1:]
+            load = _fullest(hist, trial)
+            if load < best:
+                pos, best, improved = trial, load, True
+        if not improved:
+            break
+    return pos, best
+
+
+def _random_start(rng: np.random.Generator, bins: int, n: int, m: int) -> np.ndarray:
+    """Random cut positions [n + 1] with parts of at least ``m`` bins."""
+    slack = bins - n * m
+    extra = np.sort(rng.integers(0, slack + 1, size=n - 1))
+    return np.concatenate([[0], extra + m * np.arange(1, n), [bins]]).astype(np.int64)
+
+
 def minmax_cuts(hist: np.ndarray, widths: Sequence[int], extent: Sequence[int],
                 dims: Sequence[int], align: int = 1, min_width: Optional[int] = None,
-                sweeps: int = 4) -> Cuts:
+                starts: int = 32, sweeps: int = 8, seed: int = 0) -> Cuts:
     """Cuts minimising the fullest box, from a binned histogram (pure; see the module docstring).
 
     hist int [Bx, By, Bz] in bins of ``widths`` voxels (multiples of ``align``); every box at least
-    ``min_width`` voxels wide (rounded up to whole bins).
+    ``min_width`` voxels wide (rounded up to whole bins). Coordinate descent is local, so it runs
+    from the quantile cuts and ``starts - 1`` random ones (``seed``: the same on every rank) and
+    keeps the best; on a 2 x 2 x 2 grid this finds the brute-force optimum in our tests.
     """
     min_width = align if min_width is None else int(min_width)
     d = [int(v) for v in dims]
@@ -131,25 +161,16 @@ def minmax_cuts(hist: np.ndarray, widths: Sequence[int], extent: Sequence[int],
             raise CutError(f"axis {'xyz'[a]}: {hist.shape[a]} bins of {widths[a]} voxels are too "
                            f"few for {d[a]} boxes of at least {min_width} voxels; use fewer ranks "
                            f"along {'xyz'[a]} or a smaller min_width")
-    # Start from quantile cuts of the binned marginals.
-    pos = [_quantile_axis(hist.sum(axis=tuple(b for b in range(3) if b != a)), d[a], mins[a])
-           for a in range(3)]
-    best = _fullest(hist, pos)
-    for _ in range(sweeps):
-        improved = False
-        for a in range(3):
-            if d[a] == 1:
-                continue
-            got = _best_axis(_columns(hist, a, pos), d[a], mins[a], best)
-            if got is None or np.array_equal(got, pos[a]):
-                continue
-            trial = pos[:a] + [got] + pos[a + 1:]
-            load = _fullest(hist, trial)
-            if load <= best:
-                improved = improved or load < best
-                pos, best = trial, load
-        if not improved:
-            break
+    marginals = [hist.sum(axis=tuple(b for b in range(3) if b != a)) for a in range(3)]
+    pos, best = _descend(hist, d, mins, [_quantile_axis(marginals[a], d[a], mins[a])
+                                         for a in range(3)], sweeps)
+    rng = np.random.default_rng(seed)
+    split = sum(v > 1 for v in d)
+    for _ in range(starts - 1 if split > 1 else 0):  # one split axis: the first descent is exact
+        start = [_random_start(rng, hist.shape[a], d[a], mins[a]) for a in range(3)]
+        got, load = _descend(hist, d, mins, start, sweeps)
+        if load < best:
+            pos, best = got, load
     bounds = []
     for a in range(3):
         b = np.minimum(pos[a] * int(widths[a]), int(extent[a]))

@@ -22,7 +22,8 @@ all-reduced histogram of voxel positions along it (counted in units of ``align``
 
 For slab grids (n, 1, 1) this balances the voxel count up to one unit's worth per cut. For 2-D
 and 3-D grids the axes are cut independently (a tensor-product decomposition), which balances the
-marginals but not every box: see the load-balance report in ``sparsepipe_hpc.bench.halo``.
+marginals but not every box; ``balanced_cuts(..., method="minmax")`` (:mod:`halo.balance`)
+minimises the fullest box instead. Figures: the load-balance table of ``sparsepipe_hpc.bench.halo``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 __all__ = ["CutError", "Cuts", "uniform_cuts", "balanced_cuts", "axis_histograms",
-           "cuts_from_histograms"]
+           "cuts_from_histograms", "checked_xyz"]
 
 AXES = "xyz"
 ArrayLike = Union[np.ndarray, torch.Tensor]
@@ -213,11 +214,8 @@ def uniform_cuts(extent: Sequence[int], dims: Sequence[int], align: int = 1) -> 
     return Cuts(tuple(bounds), align)  # type: ignore[arg-type]
 
 
-def axis_histograms(xyz: ArrayLike, extent: Sequence[int], align: int = 1) -> list[np.ndarray]:
-    """Per-axis voxel counts in units of ``align``: 3 int64 arrays [ceil(extent[a] / align)].
-
-    xyz: int [N, 3] level-0 voxel coordinates, each in [0, extent). CutError otherwise.
-    """
+def checked_xyz(xyz: ArrayLike, extent: Sequence[int]) -> np.ndarray:
+    """int64 [N, 3] host copy of level-0 voxel coordinates; CutError unless all lie in extent."""
     e = _triple(extent, "extent")
     x = xyz.detach().cpu().numpy() if isinstance(xyz, torch.Tensor) else np.asarray(xyz)
     if x.ndim != 2 or x.shape[1] != 3:
@@ -229,6 +227,16 @@ def axis_histograms(xyz: ArrayLike, extent: Sequence[int], align: int = 1) -> li
         row = int(np.nonzero(bad.any(1))[0][0])
         raise CutError(f"xyz row {row} is {x[row].tolist()}, outside the extent {e} "
                        f"({int(bad.any(1).sum())} such rows); voxels must lie in [0, extent)")
+    return x
+
+
+def axis_histograms(xyz: ArrayLike, extent: Sequence[int], align: int = 1) -> list[np.ndarray]:
+    """Per-axis voxel counts in units of ``align``: 3 int64 arrays [ceil(extent[a] / align)].
+
+    xyz: int [N, 3] level-0 voxel coordinates, each in [0, extent). CutError otherwise.
+    """
+    e = _triple(extent, "extent")
+    x = checked_xyz(xyz, e)
     return [np.bincount(x[:, a] // align, minlength=_ceil_div(e[a], align)).astype(np.int64)
             for a in range(3)]
 
@@ -292,21 +300,37 @@ def cuts_from_histograms(hists: Sequence[np.ndarray], extent: Sequence[int], dim
 
 
 def balanced_cuts(comm: "MPI.Intracomm", xyz: ArrayLike, extent: Sequence[int],
-                  dims: Sequence[int], align: int = 1, min_width: Optional[int] = None) -> Cuts:
+                  dims: Sequence[int], align: int = 1, min_width: Optional[int] = None,
+                  method: str = "quantile") -> Cuts:
     """Load-balanced cuts from the voxels of all ranks (collective over ``comm``).
 
     xyz: int [N, 3] level-0 voxel coordinates this rank contributes; over ``comm`` each voxel is
     counted once (any split of the cloud among ranks gives the same cuts). Voxels outside
-    [0, extent) raise CutError on every rank. See :func:`cuts_from_histograms`.
+    [0, extent) raise CutError on every rank. method: ``"quantile"`` (per-axis histograms,
+    :func:`cuts_from_histograms`; a few KiB to all-reduce) or ``"minmax"`` (a binned 3-D
+    histogram of up to 2 MiB, :func:`halo.balance.minmax_cuts`: balances the fullest box of 2-D and
+    3-D grids much better, see the module docstring).
     """
     from mpi4py import MPI
 
+    from halo import balance
+
+    if method not in ("quantile", "minmax"):
+        raise CutError(f"balanced_cuts: method is {method!r}; use 'quantile' or 'minmax'")
     e, d = _check_extent_dims(extent, dims, align)
-    sizes = [_ceil_div(v, align) for v in e]
+    if method == "quantile":
+        sizes = [_ceil_div(v, align) for v in e]
+    else:
+        widths = balance.bin_widths(e, d, align)
+        shape = [_ceil_div(v, w) for v, w in zip(e, widths)]
+        sizes = [int(np.prod(shape))]
     buf = np.zeros(sum(sizes) + 1, np.int64)
     err: Optional[CutError] = None
     try:
-        buf[:-1] = np.concatenate(axis_histograms(xyz, e, align))
+        if method == "quantile":
+            buf[:-1] = np.concatenate(axis_histograms(xyz, e, align))
+        else:
+            buf[:-1] = balance.grid_histogram(checked_xyz(xyz, e), e, widths).reshape(-1)
     except CutError as exc:
         err, buf[-1] = exc, 1
     # One all-reduce carries the histograms and an error count, so a rank's bad input stops
@@ -317,5 +341,7 @@ def balanced_cuts(comm: "MPI.Intracomm", xyz: ArrayLike, extent: Sequence[int],
     if buf[-1]:
         raise CutError(f"balanced_cuts: {int(buf[-1])} rank(s) passed voxels outside the extent "
                        f"{e}; see their error")
+    if method == "minmax":
+        return balance.minmax_cuts(buf[:-1].reshape(shape), widths, e, d, align, min_width)
     hists = np.split(buf[:-1], np.cumsum(sizes)[:-1])
     return cuts_from_histograms(hists, e, d, align, min_width)

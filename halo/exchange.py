@@ -115,13 +115,21 @@ class HaloExchange:
         req = self.transport.start(sends, recvs, self.tag)
         return Pending(req, lambda: out, self._releaser(stage))
 
-    def start_adjoint(self, grad_halo: torch.Tensor) -> Pending:
+    def start_adjoint(self, grad_halo: torch.Tensor, out: Optional[torch.Tensor] = None) -> Pending:
         """Start returning halo gradients [num_halo, C] to their owners; ``wait()`` gives
-        [num_local, C]: the sum, per owned row, of the gradients of all its halo copies."""
+        [num_local, C]: the sum, per owned row, of the gradients of all its halo copies.
+
+        out: optional [num_local, C] tensor to add the result into (e.g. the local gradient,
+        saving an allocation and an add); by default a new zero tensor.
+        """
         p = self.plan
         self._check(grad_halo, p.num_halo, "grad_halo")
         g = grad_halo.detach().contiguous()
         c = g.shape[1]
+        if out is not None and (tuple(out.shape) != (p.num_local, c) or out.dtype != g.dtype
+                                or out.device != g.device):
+            raise ExchangeError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
+                                f"[{p.num_local}, {c}] {g.dtype} on {g.device}")
         stage = self._acquire(c, g.dtype, g.device)
         so, ro = self._send_offs, self._recv_offs
         sends = [(r, g[ro[i]:ro[i + 1]]) for i, r in enumerate(p.recv_ranks)]
@@ -131,8 +139,9 @@ class HaloExchange:
 
         def finish() -> torch.Tensor:
             # g is referenced here on purpose: the send views into it must outlive the request.
-            out = torch.zeros(p.num_local, c, dtype=g.dtype, device=g.device)
-            return out.index_add_(0, index, stage)
+            acc = torch.zeros(p.num_local, c, dtype=g.dtype, device=g.device) if out is None \
+                else out
+            return acc.index_add_(0, index, stage)
 
         return Pending(req, finish, self._releaser(stage))
 

@@ -18,11 +18,11 @@ from sparsepipe_hpc.voxelize import voxelize
 __all__ = ["synthetic_room", "timeit", "write_json", "environment"]
 
 
-def synthetic_room(voxel_size: float = 0.02, size=(6.0, 6.0, 3.0), points: int = 1_500_000,
+def synthetic_room(voxel_size: float = 0.03, size=(6.0, 6.0, 3.0), points: int = 1_000_000,
                    seed: int = 0, channels: int = 3, stride_multiple: int = 16) -> SparseTensor:
     """One furnished room from the synthetic generator, voxelized (batch of 1).
 
-    The defaults give about 150k-250k voxels of 2 cm: the scale the papers' rooms have.
+    The defaults give about 160k voxels of 3 cm: the scale of the papers' indoor rooms.
     """
     from sparsepipe_hpc.data.synth import make_room
 

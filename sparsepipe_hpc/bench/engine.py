@@ -1,6 +1,6 @@
 """Engine benchmark: own torch gather-GEMM-scatter versus spconv on one thread, forward+backward.
 
-    python -m sparsepipe_hpc.bench engine --json engine.json [--voxel-size 0.02] [--width 16]
+    python -m sparsepipe_hpc.bench engine --json engine.json [--voxel-size 0.03] [--width 16]
 
 Measures, side by side on the same synthetic room: one submanifold 3x3x3 layer, and the whole
 U-Net. Reports each engine's time and the ratio spconv / torch (> 1: torch faster). Both engines
@@ -22,8 +22,8 @@ from sparsepipe_hpc.nn import SparseUNet
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench engine")
     p.add_argument("--json")
-    p.add_argument("--voxel-size", type=float, default=0.02)
-    p.add_argument("--points", type=int, default=1_500_000)
+    p.add_argument("--voxel-size", type=float, default=0.03)
+    p.add_argument("--points", type=int, default=1_000_000)
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)

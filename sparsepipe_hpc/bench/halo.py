@@ -15,7 +15,7 @@ What it measures, in one run:
 - plan: ``build_plan`` (radius 1) and ``kernel_maps`` (3x3x3 submanifold) on a clustered cloud of
   ``--plan-voxels`` voxels per rank over balanced cuts; seconds per 100k owned voxels.
 - load balance (rank 0, no communication: the histogram is all that matters): max/mean voxels per
-  box for uniform and balanced cuts on clustered and shell clouds, for several grid shapes.
+  box for uniform, quantile and min-max cuts on clustered and shell clouds, several grid shapes.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from mpi4py import MPI
 
 import halo
+from halo.balance import bin_widths, grid_histogram
 from halo.synth import clustered_cloud, shell_cloud, with_batch
 from sparsepipe_hpc.bench.common import environment, write_json
 
@@ -90,7 +91,7 @@ def pingpong(comm: MPI.Comm, sizes: list[int], quick: bool) -> list[dict[str, fl
     return rows
 
 
-def exchange(comm: MPI.Comm, sizes: list[int], quick: bool,
+def exchange(comm: MPI.Intracomm, sizes: list[int], quick: bool,
              ping: dict[int, float]) -> list[dict[str, float]]:
     p = comm.size
     grid = halo.ProcessGrid(comm, (p, 1, 1))
@@ -119,7 +120,7 @@ def exchange(comm: MPI.Comm, sizes: list[int], quick: bool,
     return rows
 
 
-def plan_build(comm: MPI.Comm, voxels: int, quick: bool) -> dict[str, Any]:
+def plan_build(comm: MPI.Intracomm, voxels: int, quick: bool) -> dict[str, Any]:
     grid = halo.ProcessGrid(comm)
     extent = tuple(int(v) for v in np.array([512, 512, 256]) * max(1, round(comm.size ** (1 / 3))))
     rng = np.random.default_rng(7 + comm.rank)
@@ -154,13 +155,17 @@ def load_balance(quick: bool) -> list[dict[str, Any]]:
     for name, xyz in clouds.items():
         hist = halo.axis_histograms(xyz, extent, align)
         for dims in LB_GRIDS:
-            u = halo.uniform_cuts(extent, dims, align).count(xyz)
-            b = halo.cuts_from_histograms(hist, extent, dims, align).count(xyz)
-            rows.append({"cloud": name, "voxels": len(xyz), "grid": list(dims),
-                         "uniform_max_over_mean": float(u.max() / u.mean()),
-                         "balanced_max_over_mean": float(b.max() / b.mean()),
-                         "uniform_empty_boxes": int((u == 0).sum()),
-                         "balanced_empty_boxes": int((b == 0).sum())})
+            w = bin_widths(extent, dims, align)
+            counts = {
+                "uniform": halo.uniform_cuts(extent, dims, align).count(xyz),
+                "quantile": halo.cuts_from_histograms(hist, extent, dims, align).count(xyz),
+                "minmax": halo.minmax_cuts(grid_histogram(xyz, extent, w), w, extent, dims,
+                                           align).count(xyz)}
+            row: dict[str, Any] = {"cloud": name, "voxels": len(xyz), "grid": list(dims)}
+            for k, cnt in counts.items():
+                row[f"{k}_max_over_mean"] = float(cnt.max() / cnt.mean())
+                row[f"{k}_empty_boxes"] = int((cnt == 0).sum())
+            rows.append(row)
     return rows
 
 
@@ -181,10 +186,10 @@ def _report(result: dict[str, Any]) -> None:
     print(f"  kernel_maps {p['kernel_maps_s'] * 1e3:8.1f} ms  = "
           f"{p['kernel_maps_s_per_100k'] * 1e3:6.1f} ms per 100k voxels")
     print("\nload balance, max/mean voxels per box (1.0 is ideal)\n"
-          "     cloud        grid  uniform  balanced")
+          "     cloud        grid  uniform  quantile  minmax")
     for r in result["load_balance"]:
         print(f"{r['cloud']:>10} {str(tuple(r['grid'])):>11} {r['uniform_max_over_mean']:8.3f} "
-              f"{r['balanced_max_over_mean']:9.3f}")
+              f"{r['quantile_max_over_mean']:9.3f} {r['minmax_max_over_mean']:7.3f}")
 
 
 def main(argv: list[str]) -> None:

@@ -30,11 +30,18 @@ class Engine(ABC):
 
     @abstractmethod
     def forward(self, feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,
-                progress: Progress = None) -> torch.Tensor:
-        """out[o] = sum over pairs (i, o, k) of weight[:, k] @ feats[i]; [kmap.n_out, C_out]."""
+                progress: Progress = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """out[o] += sum over pairs (i, o, k) of weight[:, k] @ feats[i]; [kmap.n_out, C_out].
+
+        ``out``: accumulate into this tensor (returned) instead of a new zero one.
+        """
 
     @abstractmethod
     def backward(self, feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
-                 kmap: KernelMap, progress: Progress = None,
-                 need_input_grad: bool = True) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-        """Gradients of the forward: (grad_feats [n_in, C_in] or None, grad_weight like weight)."""
+                 kmap: KernelMap, progress: Progress = None, need_input_grad: bool = True,
+                 grad_in: Optional[torch.Tensor] = None
+                 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """Gradients of the forward: (grad_feats [n_in, C_in] or None, grad_weight like weight).
+
+        ``grad_in``: accumulate the input gradient into this tensor (returned).
+        """

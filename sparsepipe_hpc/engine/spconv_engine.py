@@ -66,23 +66,25 @@ class SpconvEngine(Engine):
         self._ops = ops
 
     def forward(self, feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,
-                progress: Progress = None) -> torch.Tensor:
+                progress: Progress = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if kmap.num_pairs == 0:
-            return feats.new_zeros(kmap.n_out, weight.shape[0])
+            return feats.new_zeros(kmap.n_out, weight.shape[0]) if out is None else out
         pairs, counts = kmap.spconv_pairs()
         with single_thread(feats.device):
-            out = self._ops.indice_conv(feats.contiguous(), weight.contiguous(), pairs, counts,
-                                        kmap.n_out, False, False)
+            y = self._ops.indice_conv(feats.contiguous(), weight.contiguous(), pairs, counts,
+                                      kmap.n_out, False, False)
         if progress is not None:
             progress()
-        return out
+        return y if out is None else out.add_(y)
 
     def backward(self, feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
-                 kmap: KernelMap, progress: Progress = None,
-                 need_input_grad: bool = True) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                 kmap: KernelMap, progress: Progress = None, need_input_grad: bool = True,
+                 grad_in: Optional[torch.Tensor] = None
+                 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         if kmap.num_pairs == 0:
-            return (feats.new_zeros(kmap.n_in, weight.shape[2]) if need_input_grad else None,
-                    torch.zeros_like(weight))
+            if grad_in is None and need_input_grad:
+                grad_in = feats.new_zeros(kmap.n_in, weight.shape[2])
+            return grad_in, torch.zeros_like(weight)
         pairs, counts = kmap.spconv_pairs()
         with single_thread(feats.device):
             g_in, g_w = self._ops.indice_conv_backward(
@@ -90,4 +92,8 @@ class SpconvEngine(Engine):
                 False, False)
         if progress is not None:
             progress()
-        return (g_in if need_input_grad else None), g_w.view_as(weight)
+        if not need_input_grad:
+            g_in = None
+        elif grad_in is not None:
+            g_in = grad_in.add_(g_in)
+        return g_in, g_w.view_as(weight)

@@ -21,8 +21,9 @@ class TorchEngine(Engine):
     name = "torch"
 
     def forward(self, feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,
-                progress: Progress = None) -> torch.Tensor:
-        out = feats.new_zeros(kmap.n_out, weight.shape[0])
+                progress: Progress = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if out is None:
+            out = feats.new_zeros(kmap.n_out, weight.shape[0])
         for k in range(kmap.num_offsets):
             i, o = kmap.pairs(k)
             if len(i):
@@ -32,10 +33,12 @@ class TorchEngine(Engine):
         return out
 
     def backward(self, feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
-                 kmap: KernelMap, progress: Progress = None,
-                 need_input_grad: bool = True) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                 kmap: KernelMap, progress: Progress = None, need_input_grad: bool = True,
+                 grad_in: Optional[torch.Tensor] = None
+                 ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         grad_w = torch.zeros_like(weight)
-        grad_in = feats.new_zeros(kmap.n_in, weight.shape[2]) if need_input_grad else None
+        if grad_in is None and need_input_grad:
+            grad_in = feats.new_zeros(kmap.n_in, weight.shape[2])
         for k in range(kmap.num_offsets):
             i, o = kmap.pairs(k)
             if not len(i):

@@ -139,6 +139,8 @@ class SpatialDomain:
         if radius > 0:
             self.cuts.check_thickness(radius, stride=x.stride)
             plan = build_plan(self.grid, self.cuts, x.coords, radius, stride=x.stride)
+            if not plan.send_ranks and not plan.recv_ranks:
+                plan = None  # nothing to exchange on this rank: no peer waits for it either
         if s.subm:
             out = x.coords
         else:
@@ -180,7 +182,7 @@ class _DistConv(torch.autograd.Function):
         pending = maps.exchange.start(feats.detach())
         out = _overlapped(maps, pending, overlap, lambda p: engine.forward(feats, weight, local, p))
         halo = maps.wait(pending)
-        out += engine.forward(halo, weight, halo_map)
+        engine.forward(halo, weight, halo_map, out=out)
         ctx.save_for_backward(feats, weight, halo)
         return out
 
@@ -200,8 +202,8 @@ class _DistConv(torch.autograd.Function):
             g_in, g_w = _overlapped(maps, pending, overlap,
                                     lambda p: engine.backward(feats, weight, grad_out, local, p))
             g_halo_out = maps.wait(pending)
-            g_in2, g_w2 = engine.backward(feats, weight, g_halo_out, halo_map)
-            return g_in + g_in2, g_w + g_w2, None, None, None, None
+            g_in, g_w2 = engine.backward(feats, weight, g_halo_out, halo_map, grad_in=g_in)
+            return g_in, g_w + g_w2, None, None, None, None
         g_halo, g_w_halo = engine.backward(halo, weight, grad_out, halo_map)
         pending = maps.exchange.start_adjoint(g_halo)
         g_in, g_w = _overlapped(maps, pending, overlap,

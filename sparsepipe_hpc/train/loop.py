@@ -166,12 +166,12 @@ class Trainer:
 
         out = cfg.out or f"runs/{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.out = Path(comm.bcast(out, root=0))  # one timestamp for all ranks
-        resume = ckpt_io.resolve_resume(cfg.resume, self.out)
+        # Rank 0 decides whether <out>/last.pt exists, so every rank takes the same branch.
+        resume = comm.bcast(ckpt_io.resolve_resume(cfg.resume, self.out) if self.is_root else None)
         self.resumed_from = resume
         if resume is not None:
             agree(comm, lambda: self._load(resume))
-        if self.is_root:
-            self.out.mkdir(parents=True, exist_ok=True)
+        agree(comm, lambda: self.out.mkdir(parents=True, exist_ok=True) if self.is_root else None)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.is_root)
         if resume is not None:
             self.metrics.truncate_after(self.step)
@@ -189,15 +189,27 @@ class Trainer:
     def _load(self, path: Path) -> None:
         ckpt = ckpt_io.load_checkpoint(path)
         ckpt_io.check_compatible(ckpt, self.cfg.to_dict(), path)
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.scheduler.load_state_dict(ckpt["scheduler"])
-        self.batches.load_state_dict(ckpt["loader"])
-        self.step = int(ckpt["step"])
-        self.epoch = int(ckpt.get("epoch", 0))
-        states = ckpt["rng"]
-        rank = self.comm.Get_rank()
-        ckpt_io.set_rng_state(states[rank] if len(states) == self.comm.Get_size() else states[0])
+        try:
+            self.model.load_state_dict(ckpt["model"])
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+            self.scheduler.load_state_dict(ckpt["scheduler"])
+            self.batches.load_state_dict(ckpt["loader"])
+            self.step = int(ckpt["step"])
+            self.epoch = int(ckpt.get("epoch", 0))
+            states = ckpt["rng"]
+            # Same world size: each rank continues its own random streams (bitwise resume).
+            # Otherwise rank 0's: the data order and augmentation do not depend on them anyway.
+            mine = states[self.comm.Get_rank()] if len(states) == self.comm.Get_size() else states[0]
+            ckpt_io.set_rng_state(mine)
+        except (KeyError, RuntimeError, TypeError) as e:
+            raise ckpt_io.CheckpointError(f"--resume {path}: does not fit this run "
+                                          f"({type(e).__name__}: {e})") from None
+        saved = ckpt.get("layout", {})
+        if (saved.get("world_size") not in (None, self.layout.size)
+                or saved.get("grid") not in (None, list(self.layout.grid))):
+            self._say(f"note: resuming a checkpoint written by {saved.get('replicas')} replica(s) "
+                      f"x grid {saved.get('grid')} under {self.layout}: the loss continues to "
+                      "float rounding, not bitwise")
 
     def _write_config(self) -> None:
         info = {"options": self.cfg.to_dict(), "out": str(self.out), "data": str(self.data_dir),

@@ -8,6 +8,7 @@ import torch
 
 import halo
 from halo.kmap import coord_keys
+from halo.balance import bin_widths, grid_histogram
 from halo.reference import reference_owner
 from halo.synth import boundary_cloud, clustered_cloud, with_batch
 
@@ -90,9 +91,15 @@ def test_balanced_cuts_do_not_depend_on_the_split(comm, rng, dims):
     grid = make_grid(comm, dims)
     xyz = clustered_cloud(rng, 3000, EXTENT, clusters=3)
     serial = halo.cuts_from_histograms(halo.axis_histograms(xyz, EXTENT, 4), EXTENT, grid.dims, 4)
+    w = bin_widths(EXTENT, grid.dims, 4)
+    serial_mm = halo.minmax_cuts(grid_histogram(xyz, EXTENT, w), w, EXTENT, grid.dims, 4)
     share = xyz[rng.integers(0, comm.size, len(xyz)) == grid.rank]
     cuts = halo.balanced_cuts(grid.comm, share, EXTENT, grid.dims, align=4)
     assert cuts == serial
+    mm = halo.balanced_cuts(grid.comm, torch.from_numpy(share), EXTENT, grid.dims, align=4,
+                            method="minmax")
+    assert mm == serial_mm
+    assert mm.count(xyz).max() <= cuts.count(xyz).max()
     for a in range(3):
         assert np.all(cuts.bounds[a][1:-1] % 4 == 0) and np.all(np.diff(cuts.bounds[a]) >= 4)
 
@@ -119,13 +126,14 @@ def test_slab_load_balance(comm, rng):
     share = xyz[grid.rank::comm.size]
     uni = halo.uniform_cuts(extent, grid.dims, align)
     bal = halo.balanced_cuts(grid.comm, share, extent, grid.dims, align)
-    u, b = imbalance(uni, xyz), imbalance(bal, xyz)
+    mm = halo.balanced_cuts(grid.comm, share, extent, grid.dims, align, method="minmax")
+    u, b, m = imbalance(uni, xyz), imbalance(bal, xyz), imbalance(mm, xyz)
     unit = halo.axis_histograms(xyz, extent, align)[0].max() / (len(xyz) / comm.size)
-    print(f"\nslabs ({comm.size},1,1): max/mean uniform {u:.3f}, balanced {b:.3f} "
+    print(f"\nslabs ({comm.size},1,1): max/mean uniform {u:.3f}, quantile {b:.3f}, minmax {m:.3f} "
           f"(largest {align}-voxel slice = {unit:.3f} of a rank's share)")
     assert u > 1.2  # the cloud is far from uniform...
     assert b <= 1 + unit + 1e-9  # ...quantile cuts are off by at most a slice...
-    assert b <= 1.10  # ...which here keeps them within 10% of ideal
+    assert b <= 1.10 and m <= b  # ...which here keeps them within 10% of ideal
 
 
 def test_grid_load_balance_report(comm, rng):
@@ -133,14 +141,19 @@ def test_grid_load_balance_report(comm, rng):
     extent, align = (256, 256, 128), 4
     xyz = clustered_cloud(rng, 40000, extent, clusters=4, spread=0.08)
     grid = halo.ProcessGrid(comm)
-    bal = halo.balanced_cuts(grid.comm, xyz[grid.rank::comm.size], extent, grid.dims, align)
+    bal = halo.balanced_cuts(grid.comm, xyz[grid.rank::comm.size], extent, grid.dims, align,
+                             method="minmax")
     hist = halo.axis_histograms(xyz, extent, align)
     rows = []
     for dims in [(2, 1, 1), (4, 1, 1), (2, 2, 1), (4, 2, 1), (2, 2, 2), (4, 2, 2)]:
         u = imbalance(halo.uniform_cuts(extent, dims, align), xyz)
         b = imbalance(halo.cuts_from_histograms(hist, extent, dims, align), xyz)
-        rows.append(f"{str(dims):>10} {u:8.3f} {b:9.3f}")
-        assert b < u
+        w = bin_widths(extent, dims, align)
+        m = imbalance(halo.minmax_cuts(grid_histogram(xyz, extent, w), w, extent, dims, align),
+                      xyz)
+        rows.append(f"{str(dims):>10} {u:8.3f} {b:9.3f} {m:7.3f}")
+        assert m <= b < u
     if grid.rank == 0:
-        print("\n      grid  uniform  balanced   (max/mean voxels per box)\n" + "\n".join(rows))
+        print("\n      grid  uniform  quantile  minmax   (max/mean voxels per box)\n"
+              + "\n".join(rows))
     assert imbalance(bal, xyz) <= imbalance(halo.uniform_cuts(extent, grid.dims, align), xyz)

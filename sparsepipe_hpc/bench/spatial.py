@@ -1,0 +1,153 @@
+"""Spatial-parallelism benchmark: overhead, strong scaling, overlap, halo volume, dense vs sparse.
+
+    mpirun -n 2 python -m sparsepipe_hpc.bench spatial --json spatial.json
+
+All on one synthetic room (~160k voxels of 3 cm), U-Net width 16 depth 4, forward+backward
+including kernel-map and halo-plan building (a training step builds them for every batch), one
+thread per rank. Each comparison is a ratio of two figures measured in this run:
+
+  overhead      rank 0 alone: distributed U-Net on a 1x1x1 grid (split maps, empty exchanges)
+                over the plain serial U-Net.
+  scaling       the serial U-Net on rank 0 alone over the distributed one on all ranks
+                (grid n x 1 x 1): the strong-scaling speed-up.
+  overlap       time blocked waiting for halo exchanges ("exposed"), with and without overlap,
+                on the real transport and with an injected per-message delay.
+  halo volume   halo voxels / owned voxels per rank, uniform versus balanced cuts.
+  dense         rank 0: sparse versus dense U-Net at 64^3, 96^3, 128^3 (see bench.dense).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from mpi4py import MPI
+
+from sparsepipe_hpc.bench.common import environment, synthetic_room, timeit, write_json
+from sparsepipe_hpc.nn import SparseUNet
+from sparsepipe_hpc.parallel.context import ParallelContext
+from sparsepipe_hpc.parallel.layout import RankLayout
+
+
+def step_fn(net, x, ctx=None, align=16):
+    """One forward+backward from the full batch, kernel maps and cuts included."""
+
+    def step() -> None:
+        net.zero_grad()
+        xi = x.replace(kmaps={})
+        if ctx is not None:
+            xi, = ctx.distribute(xi, align=align)
+        y = net(xi)
+        (y.feats.square().sum() / max(1, len(x.coords))).backward()
+    return step
+
+
+def timed_all(comm, fn, repeats):
+    """Median over repeats of the slowest rank's time (barrier before each run)."""
+    times = []
+    fn()
+    for _ in range(repeats):
+        comm.Barrier()
+        t = time.perf_counter()
+        fn()
+        times.append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench spatial")
+    p.add_argument("--json")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--delay-ms", type=float, default=20.0, help="injected per-exchange delay")
+    p.add_argument("--dense-sizes", type=int, nargs="*", default=[64, 96, 128])
+    p.add_argument("--dense-limit", type=float, default=300.0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    rank, n = world.Get_rank(), world.Get_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    x = synthetic_room()
+    align = 2 ** args.depth
+    say(f"room: {x.num_voxels} voxels, grid {x.spatial_shape}; {n} rank(s), U-Net width "
+        f"{args.width} depth {args.depth}")
+    result: dict = {"voxels": x.num_voxels, "ranks": n, "env": environment(world),
+                    "width": args.width, "depth": args.depth}
+
+    def unet():
+        torch.manual_seed(0)
+        return SparseUNet(x.num_channels, 8, width=args.width, depth=args.depth)
+
+    # 1. serial and 1-rank distributed, on rank 0 alone
+    if rank == 0:
+        serial = timeit(step_fn(unet(), x), repeats=args.repeats)
+        ctx1 = ParallelContext(MPI.COMM_SELF, RankLayout(1, 1, (1, 1, 1)), force_spatial=True)
+        dist1 = timeit(step_fn(unet(), x, ctx1, align), repeats=args.repeats)
+        result["overhead_1rank"] = {"serial_s": serial["median_s"], "distributed_s": dist1["median_s"],
+                                    "ratio": dist1["median_s"] / serial["median_s"]}
+        say(f"overhead at 1 rank: serial {serial['median_s']:.2f} s, distributed "
+            f"{dist1['median_s']:.2f} s, ratio {result['overhead_1rank']['ratio']:.3f}")
+    world.Barrier()
+
+    # 2. strong scaling and 3. overlap, all ranks on an n x 1 x 1 grid
+    if n > 1:
+        for overlap in (True, False):
+            for delay in (0.0, args.delay_ms / 1e3):
+                transport = None
+                if delay:
+                    from halo.transport.delay import DelayedTransport
+                    from halo.transport.mpi import MPITransport
+
+                    probe = ParallelContext(world, RankLayout(1, 1, (n, 1, 1)))
+                    transport = DelayedTransport(MPITransport(probe.group.grid.comm), delay)
+                ctx = ParallelContext(world, RankLayout(1, 1, (n, 1, 1)), overlap=overlap,
+                                      transport=transport)
+                fn = step_fn(unet(), x, ctx, align)
+                fn()
+                ctx.group.exposed_wait_s = 0.0
+                t = timed_all(world, fn, args.repeats)
+                exposed = world.allreduce(ctx.group.exposed_wait_s / (args.repeats), op=MPI.MAX)
+                key = f"{'overlap' if overlap else 'no_overlap'}_delay{delay * 1e3:g}ms"
+                result.setdefault("overlap", {})[key] = {"step_s": t, "exposed_wait_s": exposed}
+                say(f"grid {n}x1x1 {key:24s} step {t:.2f} s, exposed wait {exposed * 1e3:8.1f} ms")
+        ov = result["overlap"]
+        for d in ("0", f"{args.delay_ms:g}"):
+            on, off = ov[f"overlap_delay{d}ms"], ov[f"no_overlap_delay{d}ms"]
+            ov[f"hidden_fraction_delay{d}ms"] = 1 - on["exposed_wait_s"] / max(off["exposed_wait_s"],
+                                                                                1e-12)
+            say(f"overlap hides {100 * ov[f'hidden_fraction_delay{d}ms']:.0f}% of the exposed "
+                f"exchange time (delay {d} ms)")
+        if rank == 0:
+            t1 = result["overhead_1rank"]["serial_s"]
+            tn = ov["overlap_delay0ms"]["step_s"]
+            result["scaling"] = {"serial_1rank_s": t1, f"distributed_{n}ranks_s": tn,
+                                 "speedup": t1 / tn}
+            say(f"strong scaling: 1 rank {t1:.2f} s, {n} ranks {tn:.2f} s, speed-up {t1 / tn:.2f}")
+
+        # 4. halo volume per rank
+        from halo.plan import build_plan
+
+        for mode in ("uniform", "balanced"):
+            ctx = ParallelContext(world, RankLayout(1, 1, (n, 1, 1)), cuts=mode)
+            xl, = ctx.distribute(x.replace(kmaps={}), align=align)
+            domain = xl.context.spatial
+            plan = build_plan(domain.grid, domain.cuts, xl.coords, 1)
+            rows = world.gather((len(xl.coords), plan.num_halo), root=0)
+            if rank == 0:
+                result.setdefault("halo_volume", {})[mode] = [
+                    {"owned": o, "halo": h, "halo_over_owned": h / max(o, 1)} for o, h in rows]
+                say(f"halo/owned per rank, {mode:8s} cuts: "
+                    + ", ".join(f"{h / max(o, 1):.3f} ({o} owned)" for o, h in rows))
+    world.Barrier()
+
+    # 5. sparse versus dense, rank 0 (child processes)
+    if rank == 0 and args.dense_sizes:
+        from sparsepipe_hpc.bench import dense
+
+        say("sparse versus dense U-Net (one thread, forward+backward):")
+        result["dense_vs_sparse"] = dense.run(args.dense_sizes, args.width, args.dense_limit)
+    world.Barrier()
+    if rank == 0:
+        write_json(args.json, result)
