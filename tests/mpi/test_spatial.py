@@ -186,3 +186,15 @@ def test_optimizer_steps_match_serial(comm, cuts):
         torch.testing.assert_close(pd, ps, **TOL)
     for bs, bd in zip(serial.buffers(), dist.buffers()):
         torch.testing.assert_close(bd.double(), bs.double(), **TOL)
+
+
+def test_collect_gathers_predictions_back(comm):
+    """collect() puts every rank's per-voxel results back in the full batch's row order."""
+    x = make_cloud(4, "clustered")
+    for grid in grids_for(comm):
+        ctx = ParallelContext(comm, RankLayout(1, 1, grid))
+        xl, = ctx.distribute(x, align=2)
+        keys = coord_keys(xl.coords)
+        full = ctx.collect(xl.coords, torch.stack([keys, keys * 2], 1), x.coords)
+        k = coord_keys(x.coords)
+        assert torch.equal(full, torch.stack([k, k * 2], 1))
