@@ -38,7 +38,7 @@ import re
 import socket
 import sys
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, MutableMapping
 
 from launch.errors import LaunchError
 
@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "Placement", "detect", "from_environ", "from_comm", "threads_per_rank", "available_cores",
-    "expand_tasks_per_node", "THREADS_VARIABLE",
+    "expand_tasks_per_node", "prefer_shared_memory", "THREADS_VARIABLE",
 ]
 
 #: Environment variable that sets the compute threads per rank, overriding the computed value.
@@ -364,3 +364,24 @@ def threads_per_rank(placement: Placement, override: int | None = None) -> int:
     if granted and os.environ.get(granted, "").strip():
         return min(_positive(os.environ[granted], granted), cores)
     return max(1, cores // placement.local_size)
+
+
+def prefer_shared_memory(environ: MutableMapping[str, str] | None = None) -> bool:
+    """On one node under Open MPI, use only its shared-memory and self transports.
+
+    Open MPI probes every network transport at ``MPI_Init`` (~1 s per process on a machine without
+    a fast network); on one node ``pml=ob1, btl=self,sm`` is all it needs and starts in ~0.1 s.
+    Call before mpi4py initializes MPI. Does nothing, and returns False, when the job spans nodes,
+    the launcher is not Open MPI (nor a lone process), or the user set either variable.
+    """
+    env = os.environ if environ is None else environ
+    if "OMPI_MCA_pml" in env or "OMPI_MCA_btl" in env:
+        return False
+    size, local = env.get("OMPI_COMM_WORLD_SIZE"), env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if size is None and from_environ(env) is not None:
+        return False  # another launcher: leave its MPI alone
+    if size is not None and size != local:
+        return False
+    env["OMPI_MCA_pml"] = "ob1"
+    env["OMPI_MCA_btl"] = "self,sm"
+    return True

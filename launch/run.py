@@ -41,7 +41,7 @@ import traceback
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from launch.env import from_environ
+from launch.env import from_environ, prefer_shared_memory
 from launch.errors import LaunchError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -246,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args[0].startswith("-") and not os.path.isfile(args[0]):
         print(f"launch run: script {args[0]!r} does not exist or is not a file", file=sys.stderr)
         raise SystemExit(2)
+    prefer_shared_memory()  # before the target initializes MPI
     abort_on_exception()
     try:
         _run_target(args)

@@ -14,6 +14,11 @@ def main(argv: list[str] | None = None) -> None:
     names = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
     if not argv or argv[0] not in names:
         sys.exit(f"usage: python -m sparsepipe_hpc.bench {{{','.join(names)}}} [options]")
+    from launch.env import prefer_shared_memory
+    from launch.run import abort_on_exception
+
+    prefer_shared_memory()  # before MPI starts: one node needs no network transports
+    abort_on_exception()  # a failure on one rank ends the whole benchmark
     importlib.import_module(f"sparsepipe_hpc.bench.{argv[0]}").main(argv[1:])
 
 
