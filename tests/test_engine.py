@@ -113,3 +113,20 @@ def test_correct_with_two_threads(gen, engine):
     finally:
         torch.set_num_threads(threads)
     assert torch.get_num_threads() == threads
+
+
+def test_spconv_engine_in_pieces_with_progress_equals_whole(gen):
+    """With a progress callback spconv runs in pieces of kernel offsets; the sum is unchanged."""
+    x = random_cloud(gen, 500, channels=4)
+    km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
+    w = torch.randn(5, 27, 4, generator=gen, dtype=torch.float64)
+    g = torch.randn(km.n_out, 5, generator=gen, dtype=torch.float64)
+    eng = get_engine("spconv")
+    calls = []
+    y = eng.forward(x.feats, w, km, progress=lambda: calls.append(1))
+    torch.testing.assert_close(y, eng.forward(x.feats, w, km), rtol=1e-12, atol=1e-12)
+    gi, gw = eng.backward(x.feats, w, g, km, progress=lambda: calls.append(1))
+    ri, rw = eng.backward(x.feats, w, g, km)
+    torch.testing.assert_close(gi, ri, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw, rw, rtol=1e-12, atol=1e-12)
+    assert len(calls) == 8

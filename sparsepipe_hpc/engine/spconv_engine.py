@@ -70,12 +70,14 @@ class SpconvEngine(Engine):
         if kmap.num_pairs == 0:
             return feats.new_zeros(kmap.n_out, weight.shape[0]) if out is None else out
         pairs, counts = kmap.spconv_pairs()
+        feats, weight = feats.contiguous(), weight.contiguous()
         with single_thread(feats.device):
-            y = self._ops.indice_conv(feats.contiguous(), weight.contiguous(), pairs, counts,
-                                      kmap.n_out, False, False)
-        if progress is not None:
-            progress()
-        return y if out is None else out.add_(y)
+            for part in _chunks(counts, progress):
+                y = self._ops.indice_conv(feats, weight, pairs, part, kmap.n_out, False, False)
+                out = y if out is None else out.add_(y)
+                if progress is not None:
+                    progress()
+        return out
 
     def backward(self, feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
                  kmap: KernelMap, progress: Progress = None, need_input_grad: bool = True,
@@ -86,14 +88,33 @@ class SpconvEngine(Engine):
                 grad_in = feats.new_zeros(kmap.n_in, weight.shape[2])
             return grad_in, torch.zeros_like(weight)
         pairs, counts = kmap.spconv_pairs()
+        feats, weight, grad_out = feats.contiguous(), weight.contiguous(), grad_out.contiguous()
+        g_in = g_w = None
         with single_thread(feats.device):
-            g_in, g_w = self._ops.indice_conv_backward(
-                feats.contiguous(), weight.contiguous(), grad_out.contiguous(), pairs, counts,
-                False, False)
-        if progress is not None:
-            progress()
+            for part in _chunks(counts, progress):
+                gi, gw = self._ops.indice_conv_backward(feats, weight, grad_out, pairs, part,
+                                                        False, False)
+                g_in = gi if g_in is None else g_in.add_(gi)
+                g_w = gw if g_w is None else g_w.add_(gw)
+                if progress is not None:
+                    progress()
         if not need_input_grad:
             g_in = None
         elif grad_in is not None:
             g_in = grad_in.add_(g_in)
         return g_in, g_w.view_as(weight)
+
+
+def _chunks(counts: torch.Tensor, progress: Progress, parts: int = 4) -> list[torch.Tensor]:
+    """The pair counts as one piece, or, when an exchange needs progress calls between pieces of
+    work, as ``parts`` copies each keeping only a contiguous range of kernel offsets."""
+    if progress is None or len(counts) < parts:
+        return [counts]
+    bounds = torch.linspace(0, len(counts), parts + 1).round().long().tolist()
+    pieces = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        part = torch.zeros_like(counts)
+        part[a:b] = counts[a:b]
+        if int(part.sum()):
+            pieces.append(part)
+    return pieces or [counts]
