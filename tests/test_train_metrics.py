@@ -17,7 +17,8 @@ def test_confusion_matrix_iou():
     cm.update(pred, target)
     assert cm.matrix.tolist() == [[2, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 0], [0, 0, 0, 0]]
     assert cm.overall_accuracy() == 4 / 6
-    # class 0: tp 2, fp 0, fn 1 -> 2/3; class 1: tp 1, fp 1, fn 1 -> 1/3; class 2: 1/2; class 3: none
+    # class 0: tp 2, fp 0, fn 1 -> 2/3; class 1: tp 1, fp 1, fn 1 -> 1/3; class 2: 1/2;
+    # class 3: absent from both -> None
     assert cm.iou() == [2 / 3, 1 / 3, 1 / 2, None]
     assert math.isclose(cm.mean_iou(), (2 / 3 + 1 / 3 + 1 / 2) / 3)
     cm.update(pred, target)  # counts accumulate

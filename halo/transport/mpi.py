@@ -5,13 +5,15 @@
     req.wait()
 
 Receives are posted before sends (so an eager message lands in its buffer, not in MPI's unexpected
-queue); tensors go to MPI as raw bytes of a numpy view sharing their memory (``MPI.BYTE``, the
-upper-case buffer-protocol calls), so any dtype works, bfloat16 included.
+queue); tensors go to MPI as raw bytes at their address (``MPI.buffer.fromaddress``, ``MPI.BYTE``,
+the upper-case buffer-protocol calls), so any dtype works, bfloat16 included, and nothing is
+copied or pickled. The request holds the tensors until it completes, so their memory stays valid.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import NoReturn
+
 import torch
 from mpi4py import MPI
 
@@ -20,18 +22,23 @@ from halo.transport.base import CompletedRequest, Peers, Request, Transport, Tra
 __all__ = ["MPITransport", "MPIRequest"]
 
 
-def _bytes_view(t: torch.Tensor, what: str) -> np.ndarray:
-    """A uint8 numpy array sharing ``t``'s memory."""
-    if t.device.type != "cpu":
+# mpi4py >= 4 calls it MPI.buffer, 3.x MPI.memory.
+_fromaddress = (getattr(MPI, "buffer", None) or getattr(MPI, "memory")).fromaddress
+
+
+def _bytes_view(t: torch.Tensor, kind: str, peer: int):
+    """An MPI buffer over ``t``'s bytes (no copy; ~10x cheaper than a numpy view)."""
+    if not t.is_cpu or not t.is_contiguous():
+        _refuse(t, f"the {kind} buffer {'to' if kind == 'send' else 'from'} rank {peer}")
+    return _fromaddress(t.data_ptr(), t.nbytes)
+
+
+def _refuse(t: torch.Tensor, what: str) -> NoReturn:
+    if not t.is_cpu:
         raise TransportError(f"MPITransport: {what} is on {t.device}; it moves host (CPU) tensors "
                              f"only - use a device transport or move the tensor to the CPU")
-    if not t.is_contiguous():
-        raise TransportError(f"MPITransport: {what} of shape {tuple(t.shape)} is not contiguous; "
-                             f"pass a contiguous tensor (its bytes are sent as they lie)")
-    t = t.detach()
-    if t.numel() == 0:
-        return np.empty(0, np.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy()
+    raise TransportError(f"MPITransport: {what} of shape {tuple(t.shape)} is not contiguous; "
+                         f"pass a contiguous tensor (its bytes are sent as they lie)")
 
 
 class MPIRequest(Request):
@@ -61,13 +68,11 @@ class MPITransport(Transport):
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
         if not sends and not recvs:
             return CompletedRequest()
-        reqs, keep = [], []
-        for peer, t in recvs:
-            buf = _bytes_view(t, f"the receive buffer from rank {peer}")
-            reqs.append(self.comm.Irecv([buf, MPI.BYTE], source=peer, tag=tag))
-            keep.append(buf)
-        for peer, t in sends:
-            buf = _bytes_view(t, f"the send buffer to rank {peer}")
-            reqs.append(self.comm.Isend([buf, MPI.BYTE], dest=peer, tag=tag))
-            keep.append(buf)
-        return MPIRequest(reqs, keep)
+        # Every buffer is checked before anything is posted: an error leaves nothing in flight.
+        rbufs = [_bytes_view(t, "receive", peer) for peer, t in recvs]
+        sbufs = [_bytes_view(t, "send", peer) for peer, t in sends]
+        reqs = [self.comm.Irecv([b, MPI.BYTE], source=peer, tag=tag)
+                for b, (peer, _) in zip(rbufs, recvs)]
+        reqs += [self.comm.Isend([b, MPI.BYTE], dest=peer, tag=tag)
+                 for b, (peer, _) in zip(sbufs, sends)]
+        return MPIRequest(reqs, [t for _, t in recvs] + [t for _, t in sends])

@@ -1,9 +1,9 @@
 """ParallelContext: one rank's communicators and its share of the work, from a RankLayout.
 
     ctx = ParallelContext(MPI.COMM_WORLD, RankLayout.from_world(4, grid=(2, 1, 1)))
-    x = ctx.distribute(batch_x)                # this rank's voxels, with the context attached
-    loss = ctx.loss_share(per_voxel_loss_sum, n_local)   # shares sum to the global mean loss
-    loss.backward(); ctx.allreduce_gradients(model)      # = single-process gradients
+    x, y = ctx.distribute(batch_x, voxel_labels)   # this rank's voxels, context attached
+    share = F.cross_entropy(model(x).feats, y, reduction="sum") / ctx.global_count(len(y))
+    share.backward(); ctx.allreduce_gradients(model)    # = single-process gradients
 
 Loss convention: each rank computes a *share* of the loss, and the shares of all ranks sum to the
 single-process loss of the global batch. Gradients are then summed (not averaged) over every rank

@@ -23,9 +23,12 @@ PROG = "sparsepipe_hpc.train"
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse options, build the trainer on every rank, train; returns the exit status."""
-    # Before torch starts its thread pools: one compute thread per rank unless --threads says more.
+    # For OpenMP code that reads it later (torch's own pool is sized below by --threads).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from launch.env import prefer_shared_memory
     from launch.run import abort_on_exception, install_sigterm_handler
+
+    prefer_shared_memory()  # before MPI starts: on one node, skip probing network transports
 
     abort_on_exception()  # an uncaught exception on one rank ends the job instead of hanging it
     from mpi4py import MPI

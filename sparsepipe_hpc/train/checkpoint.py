@@ -5,9 +5,11 @@
     ckpt = load_checkpoint(out / "last.pt") # CheckpointError if missing, truncated or foreign
     set_rng_state(ckpt["rng"][rank])
 
-A checkpoint is one ``torch.save`` file holding a dict with ``format``/``version`` (checked on load),
-``step``, ``model``, ``optimizer``, ``scheduler``, ``loader`` (ShardedBatches state), ``rng`` (one
-:func:`rng_state` per rank, gathered by rank 0), ``layout``, ``config`` and ``versions``.
+A checkpoint is one ``torch.save`` file holding a dict with ``format``/``version`` (checked on
+load), ``step``, ``epoch``, ``model``, ``optimizer``, ``scheduler``, ``loader`` (ShardedBatches
+state), ``rng`` (one :func:`rng_state` per rank, gathered by rank 0), ``layout``, ``config`` and
+``versions``. Augmentation needs no saved state: each sample's generator is seeded by
+``(seed, epoch, sample index)`` (see :mod:`sparsepipe_hpc.train.loop`).
 
 Atomicity: the bytes go to ``.<name>.tmp-<pid>`` beside the target, are flushed and fsync'ed, and
 only then renamed over the target (``os.replace`` is atomic on POSIX file systems, Lustre and GPFS

@@ -35,9 +35,11 @@ TASKS = ("seg", "cls")
 MODEL_TASK = {"unet": "seg", "resnet": "cls"}
 
 #: Defaults that depend on the task; an option the user sets wins. Tuned on the synthetic default
-#: data (see the package docstring for the measured result of the default run).
+#: data, 2 ranks on 2 CPU cores: seg (96 steps) took 2 min 43 s to OA 0.85 / mIoU 0.34 (chance:
+#: mIoU well under 0.1); cls (256 steps) 2 min 47 s to accuracy 0.99 (chance 0.17). Voxels of
+#: 0.05 m give 13k-28k voxels per room.
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "seg": {"model": "unet", "width": 16, "depth": 3, "epochs": 5, "batch_size": 4,
+    "seg": {"model": "unet", "width": 16, "depth": 3, "epochs": 8, "batch_size": 4,
             "voxel_size": 0.05, "lr": 0.003, "eval_every": 0},
     "cls": {"model": "resnet", "width": 16, "depth": 3, "epochs": 4, "batch_size": 32,
             "voxel_size": 0.08, "lr": 0.003, "eval_every": 0},
@@ -70,7 +72,7 @@ class TrainConfig:
     seed: int = 0
     out: Optional[str] = None
     resume: Optional[str] = None
-    checkpoint_every: int = 0
+    checkpoint_every: int = 100
     eval_every: int = 0
     grid: tuple[int, int, int] = (1, 1, 1)
     replicas: Optional[int] = None
@@ -144,8 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     told apart from values the user typed."""
     p = _Parser(prog="python -m sparsepipe_hpc.train",
                 description="Train a sparse 3D CNN on point clouds, single-process or under mpirun "
-                            "(data x spatial parallel).",
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+                            "(data x spatial parallel).", allow_abbrev=False)
     a = p.add_argument
     a("--config", metavar="FILE", help="TOML file whose keys are these options' names")
     g = p.add_argument_group("task and model")
@@ -162,12 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--voxel-size", type=_positive_float, metavar="M",
                    help="voxel edge in metres (default 0.05 seg, 0.08 cls)")
     g.add_argument("--augment", action=argparse.BooleanOptionalAction,
-                   help="random rotation/scale/jitter of training samples (default on)")
+                   help="random flips and x-y swaps (the grid's symmetries) plus jitter of "
+                   "training points (default on)")
     g = p.add_argument_group("optimization")
-    g.add_argument("--epochs", type=_positive_int, help="passes over the training set")
+    g.add_argument("--epochs", type=_positive_int, help="passes over the training set "
+                   "(default 8 seg, 4 cls)")
     g.add_argument("--steps", type=_positive_int, help="optimizer steps (overrides --epochs)")
     g.add_argument("--batch-size", type=_positive_int, help="GLOBAL batch (samples per step over "
-                   "all replicas; must be a multiple of --replicas)")
+                   "all replicas; a multiple of the replicas; default 4 seg, 32 cls)")
     g.add_argument("--optimizer", choices=("adamw", "sgd"), help="AdamW, or SGD with momentum 0.9 "
                    "(default adamw)")
     g.add_argument("--lr", type=_positive_float, help="peak learning rate (default 0.003 adamw, "
@@ -176,13 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", choices=("cosine", "constant"), help="learning-rate schedule "
                    "over all steps (default cosine)")
     g.add_argument("--warmup", type=_nonneg_int, help="linear warm-up steps (default 0)")
-    g.add_argument("--seed", type=int, help="seeds model init, data order and augmentation")
+    g.add_argument("--seed", type=int, help="seeds model init, data order and augmentation "
+                   "(default 0)")
     g = p.add_argument_group("output and checkpoints")
     g.add_argument("--out", metavar="DIR", help="run directory (default runs/<task>-<timestamp>)")
     g.add_argument("--resume", metavar="CKPT|auto", help="continue from a checkpoint; auto: "
                    "<out>/last.pt when it exists, else start afresh")
     g.add_argument("--checkpoint-every", type=_nonneg_int, metavar="N",
-                   help="write <out>/last.pt every N steps (0: only at the end and on SIGTERM)")
+                   help="also write <out>/last.pt every N steps (default 100; 0: only at "
+                   "the end and on SIGTERM)")
     g.add_argument("--eval-every", type=_nonneg_int, metavar="N",
                    help="evaluate on the validation split every N steps (0: only at the end)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction,
@@ -280,8 +285,8 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
         values["lr"] = values["lr"] * OPTIMIZER_LR_SCALE[values.get("optimizer", "adamw")]
     cfg = TrainConfig(**values)
     if cfg.engine == "spconv" and cfg.threads > 1:
-        raise ConfigError(f"--engine spconv with --threads {cfg.threads}: spconv's CPU kernels give "
-                          "wrong results with more than one thread; pass --threads 1 or "
+        raise ConfigError(f"--engine spconv with --threads {cfg.threads}: spconv's CPU kernels "
+                          "give wrong results with more than one thread; pass --threads 1 or "
                           "--engine torch")
     if cfg.resume == "auto" and cfg.out is None:
         raise ConfigError("--resume auto looks for <out>/last.pt, so it needs --out DIR")

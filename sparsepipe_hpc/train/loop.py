@@ -199,7 +199,8 @@ class Trainer:
             states = ckpt["rng"]
             # Same world size: each rank continues its own random streams (bitwise resume).
             # Otherwise rank 0's: the data order and augmentation do not depend on them anyway.
-            mine = states[self.comm.Get_rank()] if len(states) == self.comm.Get_size() else states[0]
+            same = len(states) == self.comm.Get_size()
+            mine = states[self.comm.Get_rank()] if same else states[0]
             ckpt_io.set_rng_state(mine)
         except (KeyError, RuntimeError, TypeError) as e:
             raise ckpt_io.CheckpointError(f"--resume {path}: does not fit this run "
@@ -242,7 +243,7 @@ class Trainer:
     def _batch(self, dataset: Any, indices: Sequence[int], epoch: Optional[int]) -> Any:
         samples = [dataset[i] for i in indices]
         augment = epoch is not None and self.cfg.augment
-        if augment:
+        if epoch is not None and augment:
             samples = [self._augmented(s, epoch, i) for s, i in zip(samples, indices)]
         # Augmentation keeps points in the grid but jitter may nudge one across an edge: clip.
         return collate(samples, self.cfg.voxel_size, self.origin, self.shape, augment=False,
@@ -252,7 +253,7 @@ class Trainer:
         """(logits, labels, my voxels): logits [n_local, K] (seg) or [B_replica, K] (cls)."""
         if self.seg:
             x, labels = self.ctx.distribute(batch.x, batch.labels, align=self.stride)
-            return self.model(x).feats, labels, x.num_voxels
+            return self.model(x).feats, labels, x.num_voxels  # type: ignore[return-value]
         (x,) = self.ctx.distribute(batch.x, align=self.stride)
         return self.model(x), batch.labels, x.num_voxels
 
@@ -305,7 +306,10 @@ class Trainer:
 
     # --- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, path: Optional[Path] = None) -> Path:
-        """Rank 0 writes ``<out>/last.pt`` atomically with every rank's RNG state. **Collective.**"""
+        """Rank 0 writes ``<out>/last.pt`` atomically, with every rank's RNG state.
+
+        **Collective**: every rank gathers its RNG state to rank 0 and waits for the file.
+        """
         path = path or self.out / ckpt_io.LAST
         states = self.comm.gather(ckpt_io.rng_state(), root=0)
         if self.is_root:
@@ -347,8 +351,8 @@ class Trainer:
                 lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
                 share, n_local = self.train_step(indices, epoch)
                 self.step += 1
-                stats = torch.tensor([float(share), float(n_local), float(bool(self.should_stop()))],
-                                     dtype=torch.float64)
+                stop = float(bool(self.should_stop()))
+                stats = torch.tensor([float(share), float(n_local), stop], dtype=torch.float64)
                 allreduce_(stats, self.comm)  # one collective: loss, voxels and stop agreement
                 t1 = time.perf_counter()
                 last_train = {"kind": "train", "step": self.step, "epoch": epoch,
