@@ -71,7 +71,6 @@ def test_bad_config_file(tmp_path, text, match):
     (["--grid", "2,2"], "grid must be three positive integers"),
     (["--model", "unet", "--task", "cls"], "--model unet is a seg model but --task is cls; "
                                            "pass --model resnet"),
-    (["--engine", "spconv", "--threads", "2"], "spconv.*more than one thread; pass --threads 1"),
     (["--resume", "auto"], "needs --out DIR"),
     (["--config", "/nonexistent/x.toml"], "no such file"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),

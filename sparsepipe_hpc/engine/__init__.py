@@ -3,8 +3,10 @@
     from sparsepipe_hpc.engine import get_engine
     engine = get_engine("auto")   # the measured-faster correct engine for the device
 
-``"auto"`` picks spconv on CUDA and the own torch engine on CPU, where it measured faster than
-spconv's single-threaded CPU kernels (``python -m sparsepipe_hpc.bench engine``).
+``"auto"`` picks spconv on CUDA, and on CPU spconv when torch runs one thread (it measured 1.2x
+faster than the own engine on a U-Net step: ``python -m sparsepipe_hpc.bench engine``) but the
+own torch engine with more threads, since spconv's CPU kernels are only correct on one thread and
+the engine forces them to it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ _cache: dict[str, Engine] = {}
 def get_engine(name: str = "auto", device: torch.device | str = "cpu") -> Engine:
     """The engine called ``name`` (one of ENGINES); ``auto`` depends on ``device``."""
     if name == "auto":
-        name = "spconv" if torch.device(device).type == "cuda" else "torch"
+        cuda = torch.device(device).type == "cuda"
+        name = "spconv" if cuda or torch.get_num_threads() == 1 else "torch"
     if name not in _cache:
         if name == "torch":
             _cache[name] = TorchEngine()
