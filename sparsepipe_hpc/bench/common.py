@@ -15,7 +15,7 @@ import torch
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.voxelize import voxelize
 
-__all__ = ["synthetic_room", "timeit", "write_json", "environment"]
+__all__ = ["synthetic_room", "timeit", "timeit_pair", "write_json", "environment"]
 
 
 def synthetic_room(voxel_size: float = 0.03, size=(6.0, 6.0, 3.0), points: int = 1_000_000,
@@ -46,6 +46,22 @@ def timeit(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> dict[str
         fn()
         times.append(time.perf_counter() - t)
     return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats}
+
+
+def timeit_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int = 5,
+                warmup: int = 1) -> tuple[dict[str, float], dict[str, float]]:
+    """Time two functions alternately (a, b, a, b, ...) so drifts in machine load hit both alike."""
+    for _ in range(warmup):
+        a()
+        b()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((a, times[0]), (b, times[1])):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return tuple({"median_s": statistics.median(ts), "min_s": min(ts), "repeats": repeats}
+                 for ts in times)  # type: ignore[return-value]
 
 
 def environment(comm: Optional[Any] = None) -> dict[str, Any]:

@@ -3,7 +3,7 @@
     python -m sparsepipe_hpc.bench engine --json engine.json [--voxel-size 0.03] [--width 16]
 
 Measures, side by side on the same synthetic room: one submanifold 3x3x3 layer, and the whole
-U-Net. Reports each engine's time and the ratio spconv / torch (> 1: torch faster). Both engines
+U-Net (the two engines' steps alternating). Reports each engine's time and the ratio spconv / torch (> 1: torch faster). Both engines
 are first checked to give the same result, so the faster one is also a correct one.
 """
 
@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from halo.kmap import kernel_map
-from sparsepipe_hpc.bench.common import environment, synthetic_room, timeit, write_json
+from sparsepipe_hpc.bench.common import environment, synthetic_room, timeit, timeit_pair, write_json
 from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.nn import SparseUNet
 
@@ -50,15 +50,17 @@ def main(argv: list[str]) -> None:
     result["layer"]["ratio_spconv_over_torch"] = (result["layer"]["spconv"]["median_s"]
                                                   / result["layer"]["torch"]["median_s"])
 
-    for name in ("torch", "spconv"):
+    def unet_step(name: str):
         torch.manual_seed(0)
         net = SparseUNet(x.num_channels, 8, width=args.width, depth=4, engine=name)
 
         def step() -> None:
             net.zero_grad()
             net(x.replace(kmaps={})).feats.square().mean().backward()
+        return step
 
-        t = timeit(step, repeats=args.repeats)
+    times = timeit_pair(unet_step("torch"), unet_step("spconv"), repeats=args.repeats)
+    for name, t in zip(("torch", "spconv"), times):
         result["unet"][name] = t
         print(f"U-Net w{args.width} fwd+bwd        {name:6s} {t['median_s']:8.2f} s")
     result["unet"]["ratio_spconv_over_torch"] = (result["unet"]["spconv"]["median_s"]

@@ -12,7 +12,8 @@ thread per rank. Each comparison is a ratio of two figures measured in this run:
                 (grid n x 1 x 1): the strong-scaling speed-up.
   overlap       time blocked waiting for halo exchanges ("exposed"), with and without overlap,
                 on the real transport and with an injected per-message delay.
-  halo volume   halo voxels / owned voxels per rank, uniform versus balanced cuts.
+  halo volume   halo voxels / owned voxels per box, uniform versus balanced cuts, for several
+                grids (the boxes' geometry on rank 0; the plans' halos equal it, see tests).
   dense         rank 0: sparse versus dense U-Net at 64^3, 96^3, 128^3 (see bench.dense).
 """
 
@@ -24,7 +25,7 @@ import time
 import torch
 from mpi4py import MPI
 
-from sparsepipe_hpc.bench.common import environment, synthetic_room, timeit, write_json
+from sparsepipe_hpc.bench.common import environment, synthetic_room, timeit_pair, write_json
 from sparsepipe_hpc.nn import SparseUNet
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.layout import RankLayout
@@ -41,6 +42,32 @@ def step_fn(net, x, ctx=None, align=16):
         y = net(xi)
         (y.feats.square().sum() / max(1, len(x.coords))).backward()
     return step
+
+
+HALO_GRIDS = [(2, 1, 1), (4, 1, 1), (8, 1, 1), (2, 2, 1), (2, 2, 2), (4, 2, 2)]
+
+
+def halo_volume(x, dims, mode: str, align: int, radius: int = 1) -> dict:
+    """Owned and halo voxels (within ``radius`` of the box, not in it) of every box of ``dims``."""
+    import itertools
+
+    from halo.cuts import balanced_cuts, uniform_cuts
+
+    extent = list(x.spatial_shape)
+    xyz = x.coords[:, 1:].long()
+    cuts = (balanced_cuts(MPI.COMM_SELF, xyz, extent, dims, align=align) if mode == "balanced"
+            else uniform_cuts(extent, dims, align=align))
+    owned, halo = [], []
+    for g in itertools.product(*(range(d) for d in dims)):
+        lo, hi = (torch.as_tensor(v, dtype=torch.int64) for v in cuts.box(g))
+        inside = ((xyz >= lo) & (xyz < hi)).all(1)
+        near = ((xyz >= lo - radius) & (xyz < hi + radius)).all(1)
+        owned.append(int(inside.sum()))
+        halo.append(int((near & ~inside).sum()))
+    ratios = [h / max(o, 1) for o, h in zip(owned, halo)]
+    return {"owned": owned, "halo": halo, "max_halo_over_owned": max(ratios),
+            "total_halo_over_owned": sum(halo) / sum(owned),
+            "owned_max_over_mean": max(owned) / (sum(owned) / len(owned))}
 
 
 def timed_all(comm, fn, repeats):
@@ -82,9 +109,9 @@ def main(argv: list[str]) -> None:
 
     # 1. serial and 1-rank distributed, on rank 0 alone
     if rank == 0:
-        serial = timeit(step_fn(unet(), x), repeats=args.repeats)
         ctx1 = ParallelContext(MPI.COMM_SELF, RankLayout(1, 1, (1, 1, 1)), force_spatial=True)
-        dist1 = timeit(step_fn(unet(), x, ctx1, align), repeats=args.repeats)
+        serial, dist1 = timeit_pair(step_fn(unet(), x), step_fn(unet(), x, ctx1, align),
+                                    repeats=args.repeats)
         result["overhead_1rank"] = {"serial_s": serial["median_s"], "distributed_s": dist1["median_s"],
                                     "ratio": dist1["median_s"] / serial["median_s"]}
         say(f"overhead at 1 rank: serial {serial['median_s']:.2f} s, distributed "
@@ -126,21 +153,18 @@ def main(argv: list[str]) -> None:
                                  "speedup": t1 / tn}
             say(f"strong scaling: 1 rank {t1:.2f} s, {n} ranks {tn:.2f} s, speed-up {t1 / tn:.2f}")
 
-        # 4. halo volume per rank
-        from halo.plan import build_plan
-
-        for mode in ("uniform", "balanced"):
-            ctx = ParallelContext(world, RankLayout(1, 1, (n, 1, 1)), cuts=mode)
-            xl, = ctx.distribute(x.replace(kmaps={}), align=align)
-            domain = xl.context.spatial
-            plan = build_plan(domain.grid, domain.cuts, xl.coords, 1)
-            rows = world.gather((len(xl.coords), plan.num_halo), root=0)
-            if rank == 0:
-                result.setdefault("halo_volume", {})[mode] = [
-                    {"owned": o, "halo": h, "halo_over_owned": h / max(o, 1)} for o, h in rows]
-                say(f"halo/owned per rank, {mode:8s} cuts: "
-                    + ", ".join(f"{h / max(o, 1):.3f} ({o} owned)" for o, h in rows))
     world.Barrier()
+
+    # 4. halo volume for several grids (geometry only: what each box's plan would receive)
+    if rank == 0:
+        result["halo_volume"] = {}
+        for dims in HALO_GRIDS:
+            row = {mode: halo_volume(x, dims, mode, align) for mode in ("uniform", "balanced")}
+            result["halo_volume"]["x".join(map(str, dims))] = row
+            say(f"grid {'x'.join(map(str, dims)):6s} halo/owned max "
+                + ", ".join(f"{m} {r['max_halo_over_owned']:.3f}" for m, r in row.items())
+                + "; owned max/mean "
+                + ", ".join(f"{m} {r['owned_max_over_mean']:.2f}" for m, r in row.items()))
 
     # 5. sparse versus dense, rank 0 (child processes)
     if rank == 0 and args.dense_sizes:

@@ -3,7 +3,7 @@
     from sparsepipe_hpc.engine import get_engine
     engine = get_engine("auto")   # the measured-faster correct engine for the device
 
-``"auto"`` picks spconv on CUDA, and on CPU spconv when torch runs one thread (it measured 1.2x
+``"auto"`` picks spconv on CUDA, and on CPU spconv when torch runs one thread (it measured 1.5x
 faster than the own engine on a U-Net step: ``python -m sparsepipe_hpc.bench engine``) but the
 own torch engine with more threads, since spconv's CPU kernels are only correct on one thread and
 the engine forces them to it.

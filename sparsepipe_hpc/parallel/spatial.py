@@ -31,20 +31,17 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from halo.kmap import KernelMap, output_coords
+from halo.cuts import balanced_cuts, uniform_cuts
+from halo.exchange import HaloExchange
+from halo.grid import ProcessGrid
+from halo.kmap import KernelMap, kernel_map, output_coords
+from halo.plan import build_plan, halo_radius
+from halo.transport.mpi import MPITransport
 from sparsepipe_hpc.engine.base import Engine
+from sparsepipe_hpc.nn.conv import ConvEntry, inverse_entry
 from sparsepipe_hpc.sparse import SparseTensor
 
-__all__ = ["SpatialGroup", "SpatialDomain", "halo_radius"]
-
-
-def halo_radius(kernel_size: int, stride: int, padding: int, dilation: int, subm: bool) -> int:
-    """Voxels (at the input's stride) beyond a box that its outputs read; 0: no halo needed."""
-    if subm:
-        return dilation * (kernel_size // 2)
-    below = padding
-    above = (kernel_size - 1) * dilation - stride - padding + 1
-    return max(below, above, 0)
+__all__ = ["SpatialGroup", "SpatialDomain"]
 
 
 @dataclass
@@ -69,9 +66,6 @@ class SpatialGroup:
 
     def __init__(self, comm: Any, dims: Sequence[int], transport: Any = None,
                  overlap: bool = True):
-        from halo.grid import ProcessGrid
-        from halo.transport.mpi import MPITransport
-
         self.grid = ProcessGrid(comm, dims)
         self.transport = transport if transport is not None else MPITransport(self.grid.comm)
         self.overlap = overlap
@@ -79,8 +73,6 @@ class SpatialGroup:
 
     def decompose(self, x: SparseTensor, align: int = 1, balanced: bool = True) -> "SpatialDomain":
         """Cut the grid for a batch every rank of the group holds in full (collective)."""
-        from halo.cuts import balanced_cuts, uniform_cuts
-
         extent = [n * x.stride for n in x.spatial_shape]
         if balanced:
             # Every rank holds the whole batch: let one rank contribute so each voxel counts once.
@@ -109,8 +101,6 @@ class SpatialDomain:
 
     # --- convolution -----------------------------------------------------------------------------
     def conv(self, layer: Any, x: SparseTensor, engine: Engine) -> SparseTensor:
-        from sparsepipe_hpc.nn.conv import ConvEntry, inverse_entry
-
         if layer.transposed:
             entry = inverse_entry(layer, x)
             maps: DistMaps = entry.extra
@@ -127,34 +117,24 @@ class SpatialDomain:
         return layer.output_tensor(x, entry, feats)
 
     def _build_entry(self, layer: Any, x: SparseTensor) -> Any:
-        from halo.plan import build_plan
-        from halo.exchange import HaloExchange
-        from sparsepipe_hpc.nn.conv import ConvEntry
-
         s = layer.spec
-        out_stride = x.stride * s.stride
-        radius = halo_radius(s.kernel_size, s.stride, s.padding, s.dilation, s.subm)
+        geometry = (s.kernel_size, s.stride, s.padding, s.dilation)
+        radius = halo_radius(*geometry)
         out_shape = s.out_shape(x.spatial_shape)
-        plan = None
-        if radius > 0:
-            self.cuts.check_thickness(radius, stride=x.stride)
-            plan = build_plan(self.grid, self.cuts, x.coords, radius, stride=x.stride)
-            if not plan.send_ranks and not plan.recv_ranks:
-                plan = None  # nothing to exchange on this rank: no peer waits for it either
+        plan = build_plan(self.grid, self.cuts, x.coords, radius, stride=x.stride) \
+            if radius > 0 else None
         if s.subm:
             out = x.coords
+        elif plan is not None:
+            out = plan.owned_outputs(x.coords, *geometry, out_shape)
+        else:  # every input an output of this box reads is in the box (stride-aligned cuts)
+            out = output_coords(x.coords, *geometry, out_shape)
+            out = out[self.owned_rows(out, stride=x.stride * s.stride)]
+        if plan is None or not (plan.send_ranks or plan.recv_ranks):
+            # Nothing to exchange on this rank, and so no peer waits for it either.
+            maps = DistMaps(kernel_map(x.coords, out, *geometry), None)
         else:
-            inputs = x.coords if plan is None else torch.cat([x.coords, plan.halo_coords])
-            out = output_coords(inputs, s.kernel_size, s.stride, s.padding, s.dilation, out_shape)
-            out = out[self.owned_rows(out, stride=out_stride)]
-        if plan is None:
-            from halo.kmap import kernel_map
-
-            maps = DistMaps(kernel_map(x.coords, out, s.kernel_size, s.stride, s.padding,
-                                       s.dilation), None)
-        else:
-            local, halo = plan.kernel_maps(x.coords, out, s.kernel_size, s.stride, s.padding,
-                                           s.dilation)
+            local, halo = plan.kernel_maps(x.coords, out, *geometry)
             maps = DistMaps(local, halo, HaloExchange(plan, self.group.transport), self.group)
         return ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, None, maps)
 
