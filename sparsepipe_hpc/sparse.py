@@ -24,7 +24,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["SparseTensor", "SparseTensorError"]
+__all__ = ["SparseTensor", "SparseTensorError", "MAX_EXTENT", "MAX_BATCH"]
+
+MAX_EXTENT = 1 << 16  # voxels per axis (halo.kmap keys hold coordinates in [-2**17, 2**17))
+MAX_BATCH = 1 << 8
 
 
 class SparseTensorError(ValueError):
@@ -53,6 +56,11 @@ class SparseTensor:
                 f"got {list(self.feats.shape)}")
         if len(self.spatial_shape) != 3:
             raise SparseTensorError(f"spatial_shape must have 3 entries; got {self.spatial_shape}")
+        # Kernel maps pack (batch, x, y, z) into one int64 key: 9 bits of batch, 18 per axis.
+        if max(self.spatial_shape) > MAX_EXTENT or not 0 < self.batch_size <= MAX_BATCH:
+            raise SparseTensorError(
+                f"spatial_shape {self.spatial_shape} and batch_size {self.batch_size} must be at "
+                f"most {MAX_EXTENT} voxels per axis and {MAX_BATCH} samples (and at least 1)")
 
     @property
     def num_voxels(self) -> int:

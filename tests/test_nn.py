@@ -110,3 +110,18 @@ def test_conv_errors_name_the_problem(gen):
         SubMConv3d(3, 4, kernel_size=2)
     with pytest.raises(ConvError, match="indice_key"):
         SparseInverseConv3d(4, 4, 2, indice_key="nowhere")(x)
+
+
+def test_sparse_tensor_contract_errors():
+    from sparsepipe_hpc.sparse import SparseTensor, SparseTensorError
+
+    c = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    f = torch.zeros(1, 2)
+    with pytest.raises(SparseTensorError, match="int32"):
+        SparseTensor(c.long(), f, (4, 4, 4), 1)
+    with pytest.raises(SparseTensorError, match=r"N = len\(coords\) = 1"):
+        SparseTensor(c, torch.zeros(2, 2), (4, 4, 4), 1)
+    with pytest.raises(SparseTensorError, match="at most"):
+        SparseTensor(c, f, (1 << 17, 4, 4), 1)
+    with pytest.raises(SparseTensorError, match=r"coordinate z spans \[3, 3\] but must lie in \[0, 2\]"):
+        SparseTensor(c, f, (4, 4, 3), 1).validate_bounds()

@@ -73,6 +73,7 @@ class SpatialGroup:
 
     def decompose(self, x: SparseTensor, align: int = 1, balanced: bool = True) -> "SpatialDomain":
         """Cut the grid for a batch every rank of the group holds in full (collective)."""
+        x.validate_bounds("batch")  # the same batch on every rank: all raise alike, none waits
         extent = [n * x.stride for n in x.spatial_shape]
         if balanced:
             # Every rank holds the whole batch: let one rank contribute so each voxel counts once.

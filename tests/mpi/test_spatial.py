@@ -198,3 +198,27 @@ def test_collect_gathers_predictions_back(comm):
         full = ctx.collect(xl.coords, torch.stack([keys, keys * 2], 1), x.coords)
         k = coord_keys(x.coords)
         assert torch.equal(full, torch.stack([k, k * 2], 1))
+
+
+def test_bad_input_raises_on_every_rank(comm):
+    """Out-of-grid voxels and boxes thinner than a kernel's reach fail alike on all ranks."""
+    from halo.cuts import CutError
+    from sparsepipe_hpc.sparse import SparseTensorError
+
+    if comm.size < 3:
+        pytest.skip("needs an interior box")
+    ctx = ParallelContext(comm, RankLayout(1, 1, (comm.size, 1, 1)), cuts="uniform")
+    x = make_cloud(1, "random", shape=(16, 16, 16))
+    bad = x.replace(coords=x.coords.clone())
+    bad.coords[0, 1] = 16
+    with pytest.raises(SparseTensorError, match="coordinate x spans"):
+        ctx.distribute(bad)
+    # 3 or 4 boxes over 4 voxels along x: interior boxes 1 voxel thick, but a 5x5x5 kernel
+    # reaches 2 voxels, so a one-hop halo cannot cover it.
+    thin = make_cloud(2, "random", shape=(16, 16, 16))
+    keep = thin.coords[:, 1] < 4
+    thin = thin.replace(coords=thin.coords[keep].contiguous(), feats=thin.feats[keep],
+                        spatial_shape=(4, 16, 16))
+    xl, = ctx.distribute(thin)
+    with pytest.raises(CutError):
+        SubMConv3d(3, 2, 5).double()(xl)
