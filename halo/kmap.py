@@ -76,6 +76,7 @@ class KernelMap:
     n_in: int
     n_out: int
     _spconv: Optional[tuple] = field(default=None, repr=False, compare=False)
+    _transposed: Optional["KernelMap"] = field(default=None, repr=False, compare=False)
 
     @property
     def num_offsets(self) -> int:
@@ -91,7 +92,10 @@ class KernelMap:
 
     def transpose(self) -> "KernelMap":
         """The map of the transposed (inverse) convolution: inputs and outputs swap roles."""
-        return KernelMap(self.out_rows, self.in_rows, self.ptr, self.n_out, self.n_in)
+        if self._transposed is None:  # kept, so its spconv layout is built once too
+            self._transposed = KernelMap(self.out_rows, self.in_rows, self.ptr, self.n_out,
+                                         self.n_in)
+        return self._transposed
 
     def select(self, keep: torch.Tensor, n_in: Optional[int] = None,
                in_rows: Optional[torch.Tensor] = None) -> "KernelMap":

@@ -25,19 +25,25 @@ from typing import Any, Optional, Sequence
 import torch
 
 from sparsepipe_hpc.nn.functional import allreduce_
-from sparsepipe_hpc.parallel.layout import RankLayout
+from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
 from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["ParallelContext"]
 
 
 class ParallelContext:
+    """One rank's communicators, position and spatial group (collective to construct).
+
+    cuts: ``"balanced"`` (voxel-count quantiles per batch) or ``"uniform"``; overlap: run the
+    interior convolution while halos travel; transport: halo transport (default MPI host
+    buffers); force_spatial: run the distributed layers even on a 1x1x1 grid (benchmarks).
+    """
+
     def __init__(self, comm: Any, layout: RankLayout, cuts: str = "balanced",
                  overlap: bool = True, transport: Any = None, force_spatial: bool = False):
-        """``force_spatial``: run the distributed layers even on a 1x1x1 grid (benchmarks)."""
         if layout.size != comm.Get_size():
-            raise ValueError(f"layout {layout} does not match the communicator's "
-                             f"{comm.Get_size()} ranks")
+            raise LayoutError(f"layout {layout} does not match the communicator's "
+                              f"{comm.Get_size()} ranks")
         if cuts not in ("balanced", "uniform"):
             raise ValueError(f"cuts must be 'balanced' or 'uniform'; got {cuts!r}")
         self.world = comm
