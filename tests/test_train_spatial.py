@@ -46,3 +46,13 @@ def test_spatial_trainer_matches_single_process(rooms, tmp_path, n, grid):
     (e_ref,), (e_got,) = ([r for r in m if r["kind"] == "eval"] for m in (ref, got))
     assert e_got["voxels"] == e_ref["voxels"]
     assert e_got["oa"] == pytest.approx(e_ref["oa"], abs=2 / e_ref["voxels"])
+
+
+def test_spatial_trainer_resumes_exactly(rooms, tmp_path):
+    """Stopped after 2 steps and resumed to 4 on a 2-rank grid: the uninterrupted loss curve."""
+    common = ("--grid", "2,1,1", "--schedule", "constant")
+    full = run(rooms, tmp_path / "full", 2, *common)
+    run(rooms, tmp_path / "part", 2, *common, "--steps", "2")
+    resumed = run(rooms, tmp_path / "part", 2, *common, "--resume", "auto")
+    assert [r["loss"] for r in resumed if r["kind"] == "train"] == \
+        [r["loss"] for r in full if r["kind"] == "train"]

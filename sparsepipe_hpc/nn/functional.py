@@ -65,7 +65,8 @@ class _BatchNorm(torch.autograd.Function):
         if training:
             xd = x.double()
             stats = torch.cat([xd.sum(0), (xd * xd).sum(0),
-                               torch.tensor([float(len(x))], dtype=torch.float64)])
+                               torch.tensor([float(len(x))], dtype=torch.float64,
+                                            device=x.device)])
             allreduce_(stats, comm)
             c = x.shape[1]
             n = stats[-1]
@@ -116,16 +117,17 @@ class _GlobalPool(torch.autograd.Function):
         b = coords[:, 0].long()
         c = feats.shape[1]
         if mode == "avg":
-            sums = torch.zeros(batch_size, c + 1, dtype=torch.float64)
+            sums = torch.zeros(batch_size, c + 1, dtype=torch.float64, device=feats.device)
             sums[:, :c].index_add_(0, b, feats.double())
-            sums[:, c].index_add_(0, b, torch.ones(len(b), dtype=torch.float64))
+            sums[:, c].index_add_(0, b, torch.ones(len(b), dtype=torch.float64,
+                                                   device=feats.device))
             allreduce_(sums, comm)
             counts = sums[:, c:].clamp(min=1)
             ctx.save_for_backward(b, counts)
             ctx.mode, ctx.comm = mode, comm
             return (sums[:, :c] / counts).to(feats.dtype)
         # max: ties go to the voxel with the smallest global coordinate key, on whichever rank.
-        out = torch.full((batch_size, c), -torch.inf, dtype=feats.dtype)
+        out = torch.full((batch_size, c), -torch.inf, dtype=feats.dtype, device=feats.device)
         out.scatter_reduce_(0, b[:, None].expand(-1, c), feats, "amax")
         allreduce_(out, comm, "max")
         keys = coord_keys(coords)
@@ -133,7 +135,7 @@ class _GlobalPool(torch.autograd.Function):
         at_max = feats == out[b]
         cand = torch.where(at_max, keys[:, None].expand(-1, c),
                            torch.full_like(at_max, big, dtype=torch.int64))
-        win = torch.full((batch_size, c), big, dtype=torch.int64)
+        win = torch.full((batch_size, c), big, dtype=torch.int64, device=feats.device)
         win.scatter_reduce_(0, b[:, None].expand(-1, c), cand, "amin")
         allreduce_(win, comm, "min")
         mine = at_max & (cand == win[b])

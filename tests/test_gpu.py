@@ -1,0 +1,49 @@
+"""The local path on a CUDA device equals the CPU path (skipped where torch sees no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from halo.kmap import kernel_map, output_coords
+from helpers import random_cloud
+from sparsepipe_hpc.engine import get_engine
+from sparsepipe_hpc.nn import SparseUNet
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def test_kernel_maps_on_gpu_equal_cpu(gen):
+    x = random_cloud(gen, 2000)
+    for args in ((3, 1, 1, 1), (3, 2, 1, 1), (2, 2, 0, 1)):
+        out = x.coords if args[1] == 1 else output_coords(x.coords, *args, (8, 8, 8))
+        cpu = kernel_map(x.coords, out, *args)
+        gpu = kernel_map(x.coords.cuda(), out.cuda(), *args)
+        assert torch.equal(gpu.in_rows.cpu(), cpu.in_rows)
+        assert torch.equal(gpu.out_rows.cpu(), cpu.out_rows)
+
+
+@pytest.mark.parametrize("engine", ["torch", "spconv"])
+def test_engines_on_gpu_equal_cpu(gen, engine):
+    x = random_cloud(gen, 3000, channels=8, dtype=torch.float32)
+    km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
+    kg = kernel_map(x.coords.cuda(), x.coords.cuda(), 3, 1, 1, 1)
+    w = torch.randn(16, 27, 8, generator=gen)
+    g = torch.randn(km.n_out, 16, generator=gen)
+    ref_y = get_engine("torch").forward(x.feats, w, km)
+    ref_gi, ref_gw = get_engine("torch").backward(x.feats, w, g, km)
+    eng = get_engine(engine, "cuda")
+    y = eng.forward(x.feats.cuda(), w.cuda(), kg)
+    gi, gw = eng.backward(x.feats.cuda(), w.cuda(), g.cuda(), kg)
+    torch.testing.assert_close(y.cpu(), ref_y, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gi.cpu(), ref_gi, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gw.cpu(), ref_gw, rtol=1e-3, atol=1e-3)
+
+
+def test_unet_step_on_gpu(gen):
+    x = random_cloud(gen, 4000, shape=(32, 32, 32), channels=3, dtype=torch.float32)
+    torch.manual_seed(0)
+    net = SparseUNet(3, 5, width=8, depth=3).cuda()
+    y = net(x.replace(coords=x.coords.cuda(), feats=x.feats.cuda()))
+    y.feats.square().mean().backward()
+    assert y.feats.is_cuda and all(p.grad is not None for p in net.parameters())
