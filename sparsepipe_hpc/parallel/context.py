@@ -164,8 +164,7 @@ class ParallelContext:
         if self.world.Get_size() == 1:
             return
         for t in list(module.parameters()) + list(module.buffers()):
-            arr = t.detach().contiguous()
-            buf = arr.numpy()
-            self.world.Bcast(buf, root=0)
+            host = t.detach().cpu().contiguous()  # a copy for device tensors, a view on CPU
+            self.world.Bcast(host.numpy(), root=0)
             with torch.no_grad():
-                t.copy_(torch.from_numpy(buf))
+                t.copy_(host)
