@@ -36,7 +36,6 @@ def main(argv: list[str]) -> None:
     c = args.width * 2
     feats = torch.randn(x.num_voxels, c)
     w = torch.randn(c, 27, c) / (27 * c) ** 0.5
-    g = torch.randn(x.num_voxels, c)
     outs = {}
     for name in ("torch", "spconv"):
         eng = get_engine(name)

@@ -12,7 +12,7 @@ the forward all-reduce.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

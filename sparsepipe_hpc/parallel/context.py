@@ -20,7 +20,7 @@ Communicators:
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 

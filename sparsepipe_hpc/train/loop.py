@@ -23,7 +23,6 @@ depend on which replica reads the sample, nor on where a resumed run restarted.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import platform
@@ -37,8 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparsepipe_hpc.data import (ModelNetDataset, Sample, SceneDataset, ShardedBatches,
-                                 augment_points, collate, default_data, grid_for)
+from sparsepipe_hpc.data import (ModelNetDataset, SceneDataset, ShardedBatches,
+                                 collate, default_data, grid_for)
 from sparsepipe_hpc.nn import build_model
 from sparsepipe_hpc.nn.functional import allreduce_
 from sparsepipe_hpc.parallel.context import ParallelContext
@@ -85,10 +84,6 @@ class LrSchedule:
             return 1.0
         t = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
         return 0.5 * (1.0 + math.cos(math.pi * t))
-
-
-def _sample_seed(seed: int, epoch: int, index: int) -> int:
-    return int(np.random.SeedSequence([seed, epoch, index, 0xA06]).generate_state(1, np.uint64)[0])
 
 
 def _versions(comm: Any) -> dict[str, str]:
@@ -234,20 +229,14 @@ class Trainer:
             tmp.replace(self.out / "config.json")
 
     # --- data ------------------------------------------------------------------------------------
-    def _augmented(self, s: Sample, epoch: int, index: int) -> Sample:
-        g = torch.Generator().manual_seed(_sample_seed(self.cfg.seed, epoch, index))
-        pts = augment_points(torch.as_tensor(s.points, dtype=torch.float64), self.origin,
-                             self.shape, self.cfg.voxel_size, g)
-        return dataclasses.replace(s, points=pts.numpy())
-
     def _batch(self, dataset: Any, indices: Sequence[int], epoch: Optional[int]) -> Any:
+        """Voxelize samples; training batches (``epoch`` given) are augmented, each sample from
+        its own (seed, epoch, index) generator, so replicas and resumed runs see the same data."""
         samples = [dataset[i] for i in indices]
         augment = epoch is not None and self.cfg.augment
-        if epoch is not None and augment:
-            samples = [self._augmented(s, epoch, i) for s, i in zip(samples, indices)]
-        # Augmentation keeps points in the grid but jitter may nudge one across an edge: clip.
-        return collate(samples, self.cfg.voxel_size, self.origin, self.shape, augment=False,
-                       clip=augment)
+        generators = self.batches.sample_generators(indices, epoch) if augment else None
+        return collate(samples, self.cfg.voxel_size, self.origin, self.shape, augment=augment,
+                       generator=generators)
 
     def _forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(logits, labels, my voxels): logits [n_local, K] (seg) or [B_replica, K] (cls)."""

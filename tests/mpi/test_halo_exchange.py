@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import halo
-from halo.kmap import coord_keys, lookup
+from halo.kmap import coord_keys
 from halo.synth import boundary_cloud, clustered_cloud, with_batch
 
 GRIDS = [(1, 1, 1), (2, 1, 1), (3, 1, 1), (2, 2, 1), (1, 2, 2), (4, 1, 1)]

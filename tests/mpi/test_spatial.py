@@ -8,7 +8,6 @@ input gradients on owned rows, parameter gradients after the all-reduce.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -58,7 +57,7 @@ def rows_of(ref: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
 def run_pair(comm, grid, cuts, net, x, align, probe_seed=7):
     """Serial and distributed forward+backward of ``net`` on ``x``; returns what to compare."""
     torch.manual_seed(0)
-    serial, dist = net().double(), None
+    serial = net().double()
     dist = copy.deepcopy(serial)
     ctx = ParallelContext(comm, RankLayout(1, 1, grid), cuts=cuts)
     # serial oracle
@@ -87,10 +86,6 @@ def run_pair(comm, grid, cuts, net, x, align, probe_seed=7):
     ctx.allreduce_gradients(dist)
     for (name, ps), pd in zip(serial.named_parameters(), dist.parameters()):
         torch.testing.assert_close(pd.grad, ps.grad, **TOL, msg=lambda m: f"{name}: {m}")
-
-
-def seq(*mods):
-    return lambda: torch.nn.Sequential(*mods)
 
 
 LAYERS = {

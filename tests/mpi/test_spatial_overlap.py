@@ -3,7 +3,6 @@ change a single number. (How much time overlap hides is a benchmark figure, not 
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
