@@ -153,6 +153,19 @@ class Cuts:
         flat = (g[:, 0] * d[1] + g[:, 1]) * d[2] + g[:, 2]
         return np.bincount(flat, minlength=d[0] * d[1] * d[2]).reshape(d)
 
+    def misalignment(self, factor: int, stride: int = 1) -> int:
+        """How far past a multiple of ``factor`` an interior box boundary can sit, at ``stride``.
+
+        The largest ``(cut // stride) % factor`` over interior cuts: 0 when every cut is a
+        multiple of ``stride * factor``. A convolution of stride ``factor`` on voxels at
+        ``stride`` owns the outputs of box ``[L, H)`` at stride ``stride * factor`` and so reads
+        inputs up to this many voxels below the input box (see :func:`halo.plan.halo_radius`).
+        """
+        if factor < 1 or stride < 1:
+            raise CutError(f"misalignment: factor {factor} and stride {stride} must be >= 1")
+        inner = np.concatenate([b[1:-1] for b in self.bounds])
+        return int(((inner // stride) % factor).max()) if len(inner) else 0
+
     def check_thickness(self, radius: int, stride: int = 1) -> None:
         """Raise CutError unless a one-hop halo exchange of ``radius`` voxels (at ``stride``) is exact.
 

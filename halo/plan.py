@@ -66,14 +66,26 @@ def _triple(v: int | Sequence[int]) -> tuple[int, int, int]:
 
 def halo_radius(kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
                 padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1,
-                transposed: bool = False) -> int:
-    """Halo radius (voxels at the input's stride) a convolution needs, given stride-aligned cuts.
+                transposed: bool = False, misalign: int = 0) -> int:
+    """Halo radius (voxels at the input's stride) a convolution needs.
 
     Output ``o`` reads inputs ``o * stride - padding + k * dilation``, k in [0, kernel_size). With
-    an output box [L, H) and its input box [L*s, H*s), inputs reach ``padding`` below the box and
-    ``(K-1)*d - p - s + 1`` above it; the radius is the larger, over all axes. ``transposed``: the
-    inverse convolution (inputs at the coarse stride, ``in * s - p + k * d = out``).
+    an output box [L, H) and its input box [L*s, H*s) (cuts aligned to the output's stride),
+    inputs reach ``padding`` below the box and ``(K-1)*d - p - s + 1`` above it; the radius is the
+    larger, over all axes. ``misalign`` (:meth:`Cuts.misalignment`): when an input box starts
+    ``m`` voxels past a multiple of ``s``, its output box starts at the multiple below, so inputs
+    reach ``p + m`` below (and less above)::
+
+        inputs   ... 6  7 | 8  9 10 11 ...     cut at 7 (m = 1), s = 2, k = 2
+        outputs    [ 3  ]   [ 4 ] [ 5 ]        output 3 (inputs 6, 7) is owned by the upper box,
+                   ^ owned above: input 6 is one voxel below its input box
+
+    ``transposed``: the inverse convolution (inputs at the coarse stride,
+    ``in * s - p + k * d = out``); it needs aligned cuts (``misalign`` 0).
     """
+    if misalign < 0 or (transposed and misalign):
+        raise PlanError(f"misalign is {misalign}; it must be >= 0, and 0 for a transposed "
+                        f"convolution")
     r = 0
     for k, s, p, d in zip(*(_triple(v) for v in (kernel_size, stride, padding, dilation))):
         if min(k, s, d) < 1 or p < 0:
@@ -82,7 +94,7 @@ def halo_radius(kernel_size: int | Sequence[int], stride: int | Sequence[int] = 
         if transposed:
             below, above = ((k - 1) * d - p) // s, 1 + (p - 1) // s
         else:
-            below, above = p, (k - 1) * d - p - s + 1
+            below, above = p + min(misalign, s - 1), (k - 1) * d - p - s + 1
         r = max(r, below, above)
     return r
 

@@ -75,6 +75,19 @@ def test_count():
     assert n.shape == (2, 2, 2) and n[0, 0, 0] == 1 and n[1, 1, 1] == 2 and n[0, 1, 0] == 1
 
 
+def test_misalignment():
+    cuts = Cuts(([0, 9, 16], [0, 16], [0, 4, 12, 16]))
+    assert cuts.misalignment(2) == 1           # 9 is odd
+    assert cuts.misalignment(4) == 1           # 9 % 4
+    assert cuts.misalignment(8) == 4           # 12 % 8 is the worst
+    assert cuts.misalignment(2, stride=2) == 0  # at stride 2 the cuts are 4, 2, 6
+    assert cuts.misalignment(4, stride=2) == 2
+    assert Cuts(([0, 5], [0, 5], [0, 5])).misalignment(2) == 0  # no interior cut
+    assert uniform_cuts((64, 64, 64), (3, 2, 1), align=8).misalignment(8) == 0
+    with pytest.raises(CutError, match="factor 0"):
+        cuts.misalignment(0)
+
+
 def test_thickness_rule():
     # x: boxes 2, 6, 1, 7 thick; y: 3, 3; z: one box of 8.
     c = Cuts((np.array([0, 2, 8, 10, 16]), np.array([0, 2, 4]), np.array([0, 8])), align=2)

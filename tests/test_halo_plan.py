@@ -42,6 +42,22 @@ def test_halo_radius_is_the_exact_reach(transposed):
         halo_radius(0)
 
 
+def test_halo_radius_covers_misaligned_boxes():
+    """A box whose bounds sit m voxels past a multiple of the stride owns the outputs
+    [lo // s, hi // s): the radius with ``misalign`` is the largest reach over every m."""
+    for k, s, p, d, mis in itertools.product((1, 2, 3, 5), (1, 2, 3, 4), (0, 1, 2), (1, 2),
+                                             range(4)):
+        worst = 0
+        for m_lo, m_hi in itertools.product(range(min(mis, s - 1) + 1), repeat=2):
+            lo_in, hi_in = 4 * s + m_lo, 8 * s + m_hi
+            inputs = [o * s - p + kk * d for o in range(lo_in // s, hi_in // s)
+                      for kk in range(k)]
+            worst = max(worst, lo_in - min(inputs), max(inputs) - (hi_in - 1))
+        assert halo_radius(k, s, p, d, misalign=mis) == worst, (k, s, p, d, mis)
+    with pytest.raises(PlanError, match="misalign"):
+        halo_radius(2, 2, transposed=True, misalign=1)
+
+
 def test_select_sends_matches_the_reference():
     rng = np.random.default_rng(3)
     cuts = uniform_cuts((24, 20, 16), (3, 2, 1), align=2)

@@ -20,10 +20,11 @@ Communicators:
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
+from halo.cuts import Cuts
 from sparsepipe_hpc.nn.functional import allreduce_
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
 from sparsepipe_hpc.sparse import SparseTensor
@@ -85,15 +86,20 @@ class ParallelContext:
 
     # --- data ------------------------------------------------------------------------------------
     def distribute(self, x: SparseTensor, *payloads: torch.Tensor, align: int = 1,
-                   ) -> tuple[SparseTensor, ...]:
+                   cuts: Optional[Cuts] = None) -> tuple[SparseTensor, ...]:
         """This rank's part of a batch every spatial rank of the replica holds in full.
 
         Returns the local tensor (context attached) and each per-voxel payload [N, ...] (labels)
         restricted the same way. Without spatial parallelism the batch is returned whole.
+        ``align``: interior cuts are multiples of it (level-0 voxels). Any value is exact; the
+        model's ``total_stride`` is cheapest, since kernel-2 stride-2 layers then need no halo.
+        ``cuts``: explicit cut positions (level-0 voxels, the same on every rank of the group)
+        instead of the context's ``cuts`` mode.
         """
         if self.group is None:
             return (x.replace(context=self), *payloads)
-        domain = self.group.decompose(x, align=align, balanced=self.cuts_mode == "balanced")
+        domain = self.group.decompose(x, align=align, balanced=self.cuts_mode == "balanced",
+                                      cuts=cuts)
         bound = self.bind(domain)
         keep = domain.owned_rows(x.coords)
         local = x.replace(coords=x.coords[keep].contiguous(), feats=x.feats[keep].contiguous(),

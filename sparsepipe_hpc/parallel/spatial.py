@@ -18,7 +18,9 @@ beyond the box. A strided convolution reads inputs [o*s - p, o*s - p + (k-1)*d] 
 with cuts aligned to every stride, kernel 2 stride 2 stays inside the box and needs none, kernel 3
 stride 2 padding 1 reaches one voxel below it. An output belongs to the rank whose box (at the
 output's stride) holds it, so a strided layer keeps only outputs in its own box, which may be
-reached by halo inputs alone. The inverse of a haloed convolution runs the same maps transposed:
+reached by halo inputs alone. Cuts need not be aligned: a cut m voxels past a multiple of the
+stride makes outputs read m voxels further below their box, and the halo grows by m
+(:func:`halo.plan.halo_radius`); aligning cuts to the model's total stride avoids that traffic. The inverse of a haloed convolution runs the same maps transposed:
 its contributions to halo rows travel back to their owners (the adjoint exchange), and its
 backward fetches those rows' gradients (the forward exchange).
 """
@@ -31,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from halo.cuts import balanced_cuts, uniform_cuts
+from halo.cuts import Cuts, CutError, balanced_cuts, uniform_cuts
 from halo.exchange import HaloExchange
 from halo.grid import ProcessGrid
 from halo.kmap import KernelMap, kernel_map, output_coords
@@ -71,11 +73,26 @@ class SpatialGroup:
         self.overlap = overlap
         self.exposed_wait_s = 0.0  # time blocked in exchange waits (what overlap did not hide)
 
-    def decompose(self, x: SparseTensor, align: int = 1, balanced: bool = True) -> "SpatialDomain":
-        """Cut the grid for a batch every rank of the group holds in full (collective)."""
+    def decompose(self, x: SparseTensor, align: int = 1, balanced: bool = True,
+                  cuts: Optional[Cuts] = None) -> "SpatialDomain":
+        """Cut the grid for a batch every rank of the group holds in full (collective).
+
+        ``cuts``: explicit positions (level-0 voxels) instead of balanced or uniform ones; they
+        must span the batch's extent on this group's grid (CutError otherwise, on every rank).
+        """
         x.validate_bounds("batch")  # the same batch on every rank: all raise alike, none waits
         extent = [n * x.stride for n in x.spatial_shape]
-        if balanced:
+        if cuts is not None:
+            if cuts.dims != self.grid.dims or list(cuts.extent) != extent:
+                raise CutError(f"explicit cuts {cuts} are for a grid {cuts.dims} over extent "
+                               f"{cuts.extent}; this group's grid is {self.grid.dims} and the "
+                               f"batch's extent {tuple(extent)} (level-0 voxels)")
+            # Ranks cutting differently would exchange the wrong voxels: agree (one allgather).
+            seen = self.grid.comm.allgather(repr(cuts))
+            if len(set(seen)) > 1:
+                raise CutError(f"explicit cuts differ between the ranks of the spatial group: "
+                               f"{', '.join(f'rank {r}: {c}' for r, c in enumerate(seen))}")
+        elif balanced:
             # Every rank holds the whole batch: let one rank contribute so each voxel counts once.
             xyz = x.coords[:, 1:] * x.stride
             if self.grid.comm.Get_rank() != 0:
@@ -120,7 +137,9 @@ class SpatialDomain:
     def _build_entry(self, layer: Any, x: SparseTensor) -> Any:
         s = layer.spec
         geometry = (s.kernel_size, s.stride, s.padding, s.dilation)
-        radius = halo_radius(*geometry)
+        # Cuts off the output's stride grid make outputs read inputs below their box.
+        misalign = 0 if s.subm else self.cuts.misalignment(s.stride, x.stride)
+        radius = halo_radius(*geometry, misalign=misalign)
         out_shape = s.out_shape(x.spatial_shape)
         plan = build_plan(self.grid, self.cuts, x.coords, radius, stride=x.stride) \
             if radius > 0 else None

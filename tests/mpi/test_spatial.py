@@ -54,8 +54,9 @@ def rows_of(ref: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
     return found
 
 
-def run_pair(comm, grid, cuts, net, x, align, probe_seed=7):
-    """Serial and distributed forward+backward of ``net`` on ``x``; returns what to compare."""
+def run_pair(comm, grid, cuts, net, x, align, probe_seed=7, explicit=None):
+    """Serial and distributed forward+backward of ``net`` on ``x``; returns what to compare.
+    ``explicit``: Cuts to use instead of the context's (any positions, aligned or not)."""
     torch.manual_seed(0)
     serial = net().double()
     dist = copy.deepcopy(serial)
@@ -64,7 +65,7 @@ def run_pair(comm, grid, cuts, net, x, align, probe_seed=7):
     fs = x.feats.clone().requires_grad_()
     ys = serial(x.replace(feats=fs, kmaps={}))
     # distributed
-    xl, = ctx.distribute(x.replace(kmaps={}), align=align)
+    xl, = ctx.distribute(x.replace(kmaps={}), align=align, cuts=explicit)
     fd = xl.feats.clone().requires_grad_()
     yd = dist(xl.replace(feats=fd))
     g = torch.Generator().manual_seed(probe_seed)
@@ -122,6 +123,41 @@ def test_model_equivalence(comm, model, cuts):
         net = lambda: SparseResNet(3, 5, width=4, depth=2, pool="max")  # noqa: E731
     for grid in grids_for(comm):
         run_pair(comm, grid, cuts, net, x, align=4)
+
+
+def odd_cuts(grid, extent, offset):
+    """Cuts at odd positions (``offset`` voxels past a multiple of 4), so no stride-2 or stride-4
+    layer sees aligned boxes; interior boxes stay >= 4 voxels thick."""
+    from halo.cuts import Cuts
+
+    bounds = []
+    for n, e in zip(grid, extent):
+        inner = [(i * e) // n // 4 * 4 + offset for i in range(1, n)]
+        bounds.append([0, *inner, e])
+    return Cuts(tuple(bounds))
+
+
+@pytest.mark.parametrize("offset", [1, 3])
+@pytest.mark.parametrize("model", ["unet", "down_up_k2", "down_up_k3"])
+def test_misaligned_cuts_are_exact(comm, model, offset):
+    """Cuts that split a stride-2 kernel-2 window (any position, align=1) still give the serial
+    result: strided layers fetch the inputs below their box through the halo."""
+    x = make_cloud(5, "random", shape=(16, 16, 16), batch=2)
+    if model == "unet":
+        net = lambda: SparseUNet(3, 5, width=4, depth=2)  # noqa: E731
+    else:
+        net = LAYERS[model][0]
+    for grid in grids_for(comm):
+        run_pair(comm, grid, "uniform", net, x, align=1,
+                 explicit=odd_cuts(grid, x.spatial_shape, offset))
+
+
+@pytest.mark.parametrize("cuts", ["uniform", "balanced"])
+def test_unaligned_default_is_exact(comm, cuts):
+    """The library default align=1 (cuts anywhere) gives the serial U-Net's output and gradients."""
+    x = make_cloud(8, "random", shape=(16, 16, 16), batch=2)
+    for grid in grids_for(comm):
+        run_pair(comm, grid, cuts, lambda: SparseUNet(3, 5, width=4, depth=2), x, align=1)
 
 
 def test_hybrid_spatial_and_data_parallel(comm):
