@@ -7,7 +7,9 @@
 
 Exit status: 0 after training or after a SIGTERM-triggered checkpoint, 2 for bad input (the message
 is printed once, by rank 0; every rank exits), 1 with an MPI abort of all ranks for any other
-exception on any rank.
+exception on any rank. Ranks agree before training starts: on whether the options parsed, on the
+resolved options themselves and on a fingerprint of the data (a rank with another config file,
+--lr or data copy is an error naming the values, not a hang or a silently different run).
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from sparsepipe_hpc.parallel.layout import LayoutError
     from sparsepipe_hpc.train.checkpoint import CheckpointError
     from sparsepipe_hpc.train.config import ConfigError, parse_config, resolve_layout
-    from sparsepipe_hpc.train.loop import SetupError, Trainer
+    from sparsepipe_hpc.train.loop import SetupError, Trainer, agree, check_same
 
     comm = MPI.COMM_WORLD
     user_errors = (ConfigError, LayoutError, SetupError, CheckpointError, DataFormatError,
                    DataGenerationError)
     try:
-        cfg = parse_config(argv)
+        # Every rank must train the same run: a config file that fails on one rank only, or a
+        # different --grid, --steps or --lr on one rank, stops every rank here with the values.
+        cfg = agree(comm, lambda: parse_config(argv))
+        check_same(comm, "configuration", cfg.to_dict())
         resolve_layout(cfg, comm.Get_size())  # the batch/replica checks, before any collective
         torch.set_num_threads(cfg.threads)
         install_sigterm_handler()  # flag only: the loop agrees on it and checkpoints collectively

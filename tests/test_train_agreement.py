@@ -1,0 +1,85 @@
+"""Ranks that disagree stop together with the values, under real mpirun (MPMD: one command per rank).
+
+Before these checks each case hung forever (a config file failing on one rank, --grid or --steps
+differing), crashed in MPI (--width: MPI_ERR_TRUNCATE) or trained silently (--lr, other data).
+Each run is bounded by a timeout, so a hang fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparsepipe_hpc.data.synth import generate_scenes
+from test_mpi import mpi_env, mpirun_command
+
+HANG = 180  # seconds: far beyond the few seconds a refusal takes
+
+
+@pytest.fixture(scope="module")
+def rooms(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("agree")
+    generate_scenes(root / "a", train=4, val=2, seed=1, objects=(2, 3),
+                    points=(800, 1000))
+    generate_scenes(root / "b", train=6, val=2, seed=1, objects=(2, 3),
+                    points=(800, 1000))
+    return root
+
+
+def trainer_args(data: str, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "sparsepipe_hpc.train", "--data", data, "--out", str(out),
+            "--width", "4", "--depth", "2", "--voxel-size", "0.25", "--batch-size", "2",
+            "--steps", "2", "--no-progress", *extra]
+
+
+def mpmd(per_rank: list[list[str]], wdirs: list[Path]) -> subprocess.CompletedProcess:
+    """``mpirun -n 1 [--wdir D0] CMD0 : -n 1 [--wdir D1] CMD1``: each rank its own command line."""
+    cmd = mpirun_command(1)
+    for i, (args, wdir) in enumerate(zip(per_rank, wdirs)):
+        cmd += ([":", "-n", "1"] if i else []) + ["--wdir", str(wdir)] + args
+    return subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=HANG)
+
+
+@pytest.mark.parametrize("option,values,shown", [
+    ("--lr", ("0.01", "0.02"), "lr: rank 0 0.01, rank 1 0.02"),
+    ("--steps", ("2", "3"), "steps: rank 0 2, rank 1 3"),
+    ("--width", ("4", "8"), "width: rank 0 4, rank 1 8"),
+    ("--grid", ("2,1,1", "1,1,1"), "grid: rank 0 [2, 1, 1], rank 1 [1, 1, 1]"),
+])
+def test_different_options_on_one_rank_stop_every_rank(rooms, tmp_path, option, values, shown):
+    data = str(rooms / "a" / "scenes")
+    proc = mpmd([trainer_args(data, tmp_path / "out", option, v) for v in values],
+                [tmp_path, tmp_path])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "the ranks disagree on the configuration" in proc.stderr
+    assert shown in proc.stderr
+    assert not (tmp_path / "out" / "last.pt").exists()
+
+
+def test_config_file_failing_on_one_rank_stops_every_rank(rooms, tmp_path):
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text("lr = 0.01\n")
+    bad.write_text("lr = = 0.01\n")
+    data = str(rooms / "a" / "scenes")
+    proc = mpmd([trainer_args(data, tmp_path / "out", "--config", str(f)) for f in (good, bad)],
+                [tmp_path, tmp_path])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "bad.toml: not valid TOML" in proc.stderr and "(rank 1 of 2)" in proc.stderr
+
+
+def test_different_data_under_the_same_path_stops_every_rank(rooms, tmp_path):
+    """`--data scenes` read from two working directories: 4 training scenes on rank 0, 6 on rank 1."""
+    proc = mpmd([trainer_args("scenes", tmp_path / "out")] * 2, [rooms / "a", rooms / "b"])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "the ranks disagree on the data" in proc.stderr
+    assert "train: rank 0" in proc.stderr and "'samples': 4" in proc.stderr
+
+
+def test_agreeing_ranks_still_train(rooms, tmp_path):
+    data = str(rooms / "a" / "scenes")
+    proc = mpmd([trainer_args(data, tmp_path / "out")] * 2, [tmp_path, tmp_path])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (tmp_path / "out" / "last.pt").exists()
