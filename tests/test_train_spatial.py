@@ -56,3 +56,18 @@ def test_spatial_trainer_resumes_exactly(rooms, tmp_path):
     resumed = run(rooms, tmp_path / "part", 2, *common, "--resume", "auto")
     assert [r["loss"] for r in resumed if r["kind"] == "train"] == \
         [r["loss"] for r in full if r["kind"] == "train"]
+
+
+def test_grid_finer_than_the_data_is_refused_before_step_1(rooms, tmp_path):
+    """--grid 1,1,2 over rooms one stride-8 block tall: a clear error naming the options, exit 2,
+    on every rank (it was a CutError traceback in "align 8" terms and an MPI abort mid-step)."""
+    args = ["-m", "sparsepipe_hpc.train", "--data", str(rooms), "--out", str(tmp_path / "out"),
+            "--width", "4", "--depth", "3", "--voxel-size", "0.5", "--batch-size", "1",
+            "--steps", "1", "--grid", "1,1,2", "--no-progress"]
+    proc = subprocess.run(mpirun_command(2) + [sys.executable, *args], env=mpi_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("sparsepipe_hpc.train: error: --grid 1,1,2 cuts z into 2 boxes")
+    assert "use at most 1 rank(s) along z in --grid" in first
+    assert "Traceback" not in proc.stderr

@@ -47,7 +47,8 @@ from sparsepipe_hpc.train import checkpoint as ckpt_io
 from sparsepipe_hpc.train.config import TrainConfig, local_batch_size, resolve_layout
 from sparsepipe_hpc.train.metrics import ConfusionMatrix, MetricsLog, format_summary
 
-__all__ = ["Trainer", "SetupError", "LrSchedule", "agree", "check_same", "data_fingerprint"]
+__all__ = ["Trainer", "SetupError", "LrSchedule", "agree", "check_same", "check_grid_fits",
+           "data_fingerprint"]
 
 
 class SetupError(ValueError):
@@ -114,6 +115,25 @@ def data_fingerprint(dataset: Any) -> dict[str, Any]:
             "in_channels": int(dataset.in_channels),
             "files": [[Path(p).name, os.path.getsize(p)] for p in paths],
             "points": hashlib.sha256(np.asarray(per_sample, np.int64).tobytes()).hexdigest()}
+
+
+def check_grid_fits(grid: Sequence[int], shape: Sequence[int], stride: int,
+                    cfg: TrainConfig) -> None:
+    """SetupError unless every box of ``grid`` can hold one block of ``stride`` voxels (cuts align
+    to the model's total stride, so a box is at least one block wide; pure, same on every rank).
+
+    shape: the voxel grid's spatial shape at level 0, a multiple of ``stride`` on every axis.
+    """
+    for axis, (ranks, voxels) in enumerate(zip(grid, shape)):
+        blocks = voxels // stride
+        if ranks > blocks:
+            name = "xyz"[axis]
+            raise SetupError(
+                f"--grid {','.join(map(str, grid))} cuts {name} into {ranks} boxes, but the data "
+                f"spans {voxels} voxels along {name} at --voxel-size {cfg.voxel_size} m: {blocks} "
+                f"block(s) of the model's total stride {stride} (--depth {cfg.depth}), and every "
+                f"box needs at least one; use at most {blocks} rank(s) along {name} in --grid, a "
+                f"smaller --voxel-size or a smaller --depth")
 
 
 class LrSchedule:
@@ -191,6 +211,7 @@ class Trainer:
         self.stride = self.model.total_stride
         self.origin, self.shape = agree(comm, lambda: grid_for(
             [self.train_set, self.val_set], cfg.voxel_size, multiple=self.stride))
+        check_grid_fits(self.layout.grid, self.shape, self.stride, cfg)
 
         params = list(self.model.parameters())
         if cfg.optimizer == "sgd":
