@@ -1,0 +1,391 @@
+"""Exact contiguous stage partition of a block sequence over (possibly unequal) devices.
+
+    from sparsepipe_hpc.plan.partition import Block, Device, partition_stages
+    blocks = [Block(time=4.0), Block(time=1.0), Block(time=1.0), Block(time=2.0)]
+    fast, slow = Device(speed=1.0, memory=16e9), Device(speed=0.5, memory=16e9)
+    p = partition_stages(blocks, [fast, slow], microbatches=8)
+    p.bounds, p.times, p.bottleneck        # (0, 3, 4), (6.0, 4.0), 6.0
+    q = partition_stages_best_order(blocks, [slow, fast])   # also picks the device order
+    q.order                                # (1, 0): the fast device runs stage 0
+
+Model (BaPipe, arXiv 2012.12544: balanced partition over heterogeneous accelerators). Stage ``s``
+of ``S`` runs blocks ``[i, j)`` on device ``s`` (``speed_s`` relative to the reference device the
+block times were measured on, ``memory_s`` bytes). Per micro-batch it costs, in seconds::
+
+    f_s(i, j) = sum(time[i:j]) / speed_s                               compute, forward + backward
+              + (s > 0)     * 2 * link_{s-1}.time(out_bytes[i - 1])    activation in, gradient out
+              + (s < S - 1) * 2 * link_s.time(out_bytes[j - 1])        activation out, gradient in
+
+where ``link_s`` joins stages ``s`` and ``s + 1``: a cut after block ``b`` carries ``out_bytes[b]``
+forward and a gradient of the same size backward, and point-to-point transfers are blocking (not
+overlapped with compute), so both ends of a cut pay for it. ``out_bytes[b]`` must count everything
+alive across that cut (U-Net skips passing through, too). Memory of the stage::
+
+    mem_s(i, j) = sum(param_bytes[i:j]) + k_s * sum(act_bytes[i:j]),   k_s = inflight(s, S, m)
+
+with ``param_bytes`` the weights + gradients + optimizer state and ``act_bytes`` the activations a
+block keeps for backward per micro-batch; ``k_s`` micro-batches are in flight on stage ``s``
+(1F1B: ``min(S - s, m)``; GPipe: ``m``). A stage over its device's memory costs ``f = inf``.
+
+Recurrence (dynamic programming over suffixes; ``H`` is the least bottleneck of blocks ``i..B-1``
+on stages ``s..S-1``, ``G`` the least sum of stage times among bottleneck-optimal splits)::
+
+    H(S, B) = 0,  H(S, i) = inf for i < B,  H(s, i) = min_{j > i} max(f_s(i, j), H(s + 1, j))
+    T* = H(0, 0)
+    G(S, B) = 0,  G(S, i) = inf for i < B,
+    G(s, i) = min_{j > i, f_s(i, j) <= T*} f_s(i, j) + G(s + 1, j)
+
+``O(S * B^2)`` time and memory. Ties are broken in this order, deterministically: (1) least
+bottleneck ``T*``; (2) least sum of stage times (the fill/drain term of
+:func:`~sparsepipe_hpc.plan.cost.pipeline_step_time`); (3) lexicographically smallest boundaries
+(the first stage as short as possible), found by walking forward from stage 0 and taking the
+smallest ``j`` that attains ``G``. Floats are compared exactly.
+
+Worked example (the snippet above; no transfers, no memory limit). Stage 1 (speed 0.5) on
+blocks ``[i, 4)`` costs ``f_1 = 8, 6, 4`` for ``i = 1, 2, 3``, so ``H(1, i) = 8, 6, 4``;
+``H(0, 0) = min(max(4, 8), max(5, 6), max(6, 4)) = 6``. Both ``j = 2`` (times 5, 6) and ``j = 3``
+(times 6, 4) reach ``T* = 6``; the sums are 11 and 10, so ``j = 3`` wins::
+
+    blocks (s at speed 1)   4   1   1   2
+    stage 0, speed 1      [ 0   1   2 ]          6 s
+    stage 1, speed 0.5                [ 3 ]      4 s     bottleneck 6 s
+
+Device order. :func:`partition_stages` keeps the given order (stage ``s`` on ``devices[s]``).
+:func:`partition_stages_best_order` tries every distinct order (identical devices, by
+:class:`Device` equality, are interchangeable, so ``S! / prod(n_c!)`` orders for class sizes
+``n_c``) and keeps the best by (bottleneck, sum), the first in lexicographic order of classes
+(numbered by first appearance) on ties. Order matters through speeds, memory (``k_s`` falls along
+the pipeline under 1F1B) and links that depend on the two devices (same node or not). It refuses
+more than ``max_orders`` orders (default 5040 = 7!; each order costs one DP): group devices into
+classes or fix the order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from sparsepipe_hpc.plan.cost import Link, pipeline_step_time
+
+__all__ = ["Block", "Device", "Partition", "PartitionError", "LinkSpec", "InflightFn",
+           "inflight_1f1b", "inflight_gpipe", "partition_stages", "partition_stages_best_order"]
+
+InflightFn = Callable[[int, int, int], int]
+LinkSpec = Union[Link, Sequence[Link], Callable[["Device", "Device"], Link]]
+
+
+class PartitionError(ValueError):
+    """No contiguous stage partition satisfies the constraints, or its inputs are invalid."""
+
+
+def inflight_1f1b(stage: int, stages: int, microbatches: int) -> int:
+    """Micro-batches whose activations stage ``s`` (0-based) holds under 1F1B: ``min(S - s, m)``."""
+    return min(stages - stage, microbatches)
+
+
+def inflight_gpipe(stage: int, stages: int, microbatches: int) -> int:
+    """Micro-batches whose activations every stage holds under GPipe (all forwards first): ``m``."""
+    return microbatches
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of the model. time: seconds forward + backward per micro-batch on a speed-1 device;
+    out_bytes: bytes crossing a cut right after it; param_bytes: weights + gradients + optimizer
+    state; act_bytes: activation bytes kept for backward per micro-batch."""
+
+    time: float
+    out_bytes: float = 0.0
+    param_bytes: float = 0.0
+    act_bytes: float = 0.0
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator. speed: relative to the reference device (2.0 = twice as fast); memory: bytes
+    available for the stage; node: which node it sits on (links may depend on it). ``name`` is a
+    label only: devices that differ only in name are interchangeable."""
+
+    speed: float = 1.0
+    memory: float = math.inf
+    node: int = 0
+    name: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A stage partition. Stage ``s`` runs blocks ``range(bounds[s], bounds[s + 1])`` on
+    ``devices[s]`` (= input device ``order[s]``); per stage: ``compute`` + ``transfer`` = ``times``
+    (seconds per micro-batch), ``memory`` (bytes) with ``inflight`` micro-batches' activations."""
+
+    bounds: tuple[int, ...]
+    order: tuple[int, ...]
+    devices: tuple[Device, ...]
+    compute: tuple[float, ...]
+    transfer: tuple[float, ...]
+    times: tuple[float, ...]
+    memory: tuple[float, ...]
+    inflight: tuple[int, ...]
+    microbatches: int
+
+    @property
+    def bottleneck(self) -> float:
+        """The slowest stage's seconds per micro-batch."""
+        return max(self.times)
+
+    @property
+    def stages(self) -> tuple[range, ...]:
+        """The block indices of each stage."""
+        return tuple(range(a, b) for a, b in zip(self.bounds[:-1], self.bounds[1:]))
+
+    def step_time(self) -> float:
+        """Predicted seconds per step without all-reduce: ``sum t_s + (m - 1) * max t_s``."""
+        return pipeline_step_time(self.times, self.microbatches)
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes:.4g} bytes" + (f" ({nbytes / 2**30:.3g} GiB)" if nbytes >= 2**30 else "")
+
+
+def _dev(devices: Sequence[Device], k: int) -> str:
+    d = devices[k]
+    return f"device {k}" + (f" ({d.name!r})" if d.name else "")
+
+
+def _check_inputs(blocks: Sequence[Block], devices: Sequence[Device], microbatches: int) -> None:
+    if not blocks:
+        raise PartitionError("blocks is empty; the model needs at least one block")
+    if not devices:
+        raise PartitionError("devices is empty; a pipeline needs at least one stage")
+    for b, blk in enumerate(blocks):
+        for attr in ("time", "out_bytes", "param_bytes", "act_bytes"):
+            v = getattr(blk, attr)
+            if not isinstance(v, (int, float, np.number)) or not math.isfinite(v) or v < 0:
+                raise PartitionError(f"blocks[{b}].{attr} is {v!r}; it must be a finite "
+                                     f"number >= 0")
+    for k, d in enumerate(devices):
+        if not isinstance(d.speed, (int, float, np.number)) or not math.isfinite(d.speed) \
+                or d.speed <= 0:
+            raise PartitionError(f"devices[{k}].speed is {d.speed!r}; it must be a finite "
+                                 f"number > 0")
+        if not isinstance(d.memory, (int, float, np.number)) or math.isnan(d.memory) \
+                or d.memory <= 0:
+            raise PartitionError(f"devices[{k}].memory is {d.memory!r}; it must be > 0 bytes "
+                                 f"(math.inf for no limit)")
+    if isinstance(microbatches, bool) or int(microbatches) != microbatches or microbatches < 1:
+        raise PartitionError(f"microbatches is {microbatches!r}; it must be a whole number >= 1")
+    if len(blocks) < len(devices):
+        raise PartitionError(f"{len(blocks)} blocks cannot fill {len(devices)} stages (each stage "
+                             f"needs at least one block); use at most {len(blocks)} stages or "
+                             f"split the model into more blocks")
+
+
+def _links(link: LinkSpec, devices: Sequence[Device]) -> list[Link]:
+    n = len(devices) - 1
+    if isinstance(link, Link):
+        out = [link] * n
+    elif callable(link):
+        out = [link(devices[s], devices[s + 1]) for s in range(n)]
+    else:
+        out = list(link)
+        if len(out) != n:
+            raise PartitionError(f"link has {len(out)} entries; {len(devices)} stages need "
+                                 f"{n} (one per pair of consecutive stages)")
+    for s, ln in enumerate(out):
+        if not isinstance(ln, Link):
+            raise PartitionError(f"link for stages {s}-{s + 1} is {ln!r}; it must be a Link")
+    return out
+
+
+def _inflight(inflight: InflightFn, stages: int, m: int) -> list[int]:
+    ks = [inflight(s, stages, m) for s in range(stages)]
+    for s, k in enumerate(ks):
+        if isinstance(k, bool) or int(k) != k or k < 0:
+            raise PartitionError(f"inflight({s}, {stages}, {m}) returned {k!r}; it must be a "
+                                 f"whole number >= 0 of micro-batches")
+    return [int(k) for k in ks]
+
+
+def _segments(x: np.ndarray) -> np.ndarray:
+    """[B] -> [B + 1, B + 1]: entry [i, j] = sum(x[i:j]) for j > i (left to right), else 0."""
+    n = len(x)
+    out = np.zeros((n + 1, n + 1))
+    for i in range(n):
+        out[i, i + 1:] = np.cumsum(x[i:])
+    return out
+
+
+class _Tables:
+    """Per-block segment sums shared by every device order."""
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        self.n = len(blocks)
+        self.time = _segments(np.array([b.time for b in blocks], dtype=np.float64))
+        self.param = _segments(np.array([b.param_bytes for b in blocks], dtype=np.float64))
+        self.act = _segments(np.array([b.act_bytes for b in blocks], dtype=np.float64))
+        self.out = np.array([b.out_bytes for b in blocks], dtype=np.float64)
+
+
+def _solve(tab: _Tables, devices: Sequence[Device], order: tuple[int, ...], links: list[Link],
+           ks: list[int], m: int) -> Optional[Partition]:
+    """The DP of the module docstring for one device order; None when nothing fits in memory."""
+    n, S = tab.n, len(devices)
+    lower = np.tril(np.ones((n + 1, n + 1), dtype=bool))       # j <= i: empty stage
+    comp = np.empty((S, n + 1, n + 1))
+    xfer = np.zeros((S, n + 1, n + 1))
+    mem = np.empty((S, n + 1, n + 1))
+    for s, d in enumerate(devices):
+        comp[s] = tab.time / d.speed
+        if s > 0:   # cut before block i carries out_bytes[i - 1]; i = 0 is never used here
+            xfer[s] += (2 * (links[s - 1].alpha + links[s - 1].beta * np.r_[0.0, tab.out]))[:, None]
+        if s < S - 1:
+            xfer[s] += (2 * (links[s].alpha + links[s].beta * np.r_[0.0, tab.out]))[None, :]
+        mem[s] = tab.param + ks[s] * tab.act
+    f = comp + xfer
+    f[:, lower] = np.inf
+    f[mem > np.array([d.memory for d in devices])[:, None, None]] = np.inf
+
+    H = np.full(n + 1, np.inf)
+    H[n] = 0.0
+    for s in range(S - 1, -1, -1):
+        H = np.min(np.maximum(f[s], H[None, :]), axis=1)
+    tstar = H[0]
+    if not math.isfinite(tstar):
+        return None
+    G = np.full(n + 1, np.inf)
+    G[n] = 0.0
+    choice = np.zeros((S, n + 1), dtype=np.int64)
+    for s in range(S - 1, -1, -1):
+        g = np.where(f[s] <= tstar, f[s] + G[None, :], np.inf)
+        choice[s] = np.argmin(g, axis=1)             # first minimum: the smallest j
+        G = g[np.arange(n + 1), choice[s]]
+    bounds, i = [0], 0
+    for s in range(S):
+        i = int(choice[s][i])
+        bounds.append(i)
+    idx = [(s, bounds[s], bounds[s + 1]) for s in range(S)]
+    return Partition(bounds=tuple(bounds), order=order, devices=tuple(devices),
+                     compute=tuple(float(comp[t]) for t in idx),
+                     transfer=tuple(float(xfer[t]) for t in idx),
+                     times=tuple(float(f[t]) for t in idx),
+                     memory=tuple(float(mem[t]) for t in idx), inflight=tuple(ks), microbatches=m)
+
+
+def _infeasible(blocks: Sequence[Block], devices: Sequence[Device], ks_of: Callable[[int], int],
+                any_order: bool) -> PartitionError:
+    """Explain why nothing fits: a block too big for every device it could run on, or the total."""
+    n, S = len(blocks), len(devices)
+    for b, blk in enumerate(blocks):
+        # Every stage is non-empty: block b sits on a stage in max(0, b - (n - S))..min(b, S - 1).
+        pos = range(max(0, b - (n - S)), min(b, S - 1) + 1)
+        cands = [(k, s) for s in pos for k in (range(S) if any_order else [s])]
+        need = {(k, s): blk.param_bytes + ks_of(s) * blk.act_bytes for k, s in cands}
+        if all(need[c] > devices[c[0]].memory for c in cands):
+            k, s = min(cands, key=lambda c: (need[c] - devices[c[0]].memory, c))
+            label = f"block {b}" + (f" ({blk.name!r})" if blk.name else "")
+            return PartitionError(
+                f"{label} alone needs {_fmt(need[(k, s)])} on stage {s} ({_fmt(blk.param_bytes)} "
+                f"of parameters + {ks_of(s)} micro-batch(es) x {_fmt(blk.act_bytes)} of "
+                f"activations) but {_dev(devices, k)} has {_fmt(devices[k].memory)}, the closest "
+                f"fit among the devices it could run on"
+                f"{' in any order' if any_order else ''}; give it a device with more memory, "
+                f"fewer micro-batches in flight, or split the block")
+    return PartitionError(
+        f"no split of {n} blocks into {S} contiguous stages fits the devices' memory"
+        f"{' in any order' if any_order else ''}: the blocks hold "
+        f"{_fmt(sum(b.param_bytes for b in blocks))} of parameters and "
+        f"{_fmt(sum(b.act_bytes for b in blocks))} of activations per micro-batch, in flight "
+        f"{[ks_of(s) for s in range(S)]} per stage, and the devices have "
+        f"{[_fmt(d.memory) for d in devices]}; use more stages, fewer micro-batches in flight, or "
+        f"devices with more memory")
+
+
+def partition_stages(blocks: Sequence[Block], devices: Sequence[Device],
+                     link: LinkSpec = Link(), microbatches: int = 1,
+                     inflight: InflightFn = inflight_1f1b) -> Partition:
+    """The exact least-bottleneck contiguous split of ``blocks`` over ``devices``, in their order.
+
+    link: one :class:`Link` for every stage pair, a list of ``S - 1`` (pair ``s`` joins stages
+    ``s`` and ``s + 1``), or a function ``(Device, Device) -> Link``. microbatches: ``m``.
+    inflight: ``(stage, stages, m) -> k_s``. Raises :class:`PartitionError` on invalid input or
+    when no split fits in memory. See the module docstring for the model and the tie-breaks.
+    """
+    _check_inputs(blocks, devices, microbatches)
+    m, S = int(microbatches), len(devices)
+    ks = _inflight(inflight, S, m)
+    p = _solve(_Tables(blocks), devices, tuple(range(S)), _links(link, devices), ks, m)
+    if p is None:
+        raise _infeasible(blocks, devices, lambda s: ks[s], any_order=False)
+    return p
+
+
+def _orders(classes: list[int]) -> Iterator[tuple[int, ...]]:
+    """Distinct permutations of a multiset of class ids, in lexicographic order."""
+    counts = [classes.count(c) for c in range(max(classes) + 1)]
+    perm: list[int] = []
+
+    def rec() -> Iterator[tuple[int, ...]]:
+        if len(perm) == len(classes):
+            yield tuple(perm)
+            return
+        for c, left in enumerate(counts):
+            if left:
+                counts[c] -= 1
+                perm.append(c)
+                yield from rec()
+                perm.pop()
+                counts[c] += 1
+
+    return rec()
+
+
+def partition_stages_best_order(blocks: Sequence[Block], devices: Sequence[Device],
+                                link: Union[Link, Callable[[Device, Device], Link]] = Link(),
+                                microbatches: int = 1, inflight: InflightFn = inflight_1f1b,
+                                max_orders: int = 5040) -> Partition:
+    """The exact least-bottleneck split over every distinct order of ``devices`` (see the module).
+
+    ``Partition.order[s]`` is the index in ``devices`` of the device that runs stage ``s``.
+    ``link`` is one :class:`Link` or a function of the two devices (a per-pair list would be tied
+    to one order). Raises :class:`PartitionError` when there are more than ``max_orders`` distinct
+    orders or no order fits in memory.
+    """
+    _check_inputs(blocks, devices, microbatches)
+    if not isinstance(link, Link) and not callable(link):
+        raise PartitionError(f"link is a {type(link).__name__}; for a search over device orders "
+                             f"pass one Link or a function (Device, Device) -> Link")
+    m, S = int(microbatches), len(devices)
+    ks = _inflight(inflight, S, m)
+    kinds: list[Device] = []
+    for d in devices:
+        if d not in kinds:
+            kinds.append(d)
+    classes = [kinds.index(d) for d in devices]
+    count = math.factorial(S)
+    for c in range(len(kinds)):
+        count //= math.factorial(classes.count(c))
+    if count > max_orders:
+        raise PartitionError(f"{S} devices in {len(kinds)} classes have {count} distinct orders, "
+                             f"more than max_orders={max_orders}; group equal devices, fix the "
+                             f"order with partition_stages, or raise max_orders")
+    members = [[k for k, c in enumerate(classes) if c == cls] for cls in range(len(kinds))]
+    tab = _Tables(blocks)
+    best: Optional[Partition] = None
+    for perm in _orders(classes):
+        seen = [0] * len(kinds)
+        order = []
+        for c in perm:              # the n-th stage of class c gets its n-th device in input order
+            order.append(members[c][seen[c]])
+            seen[c] += 1
+        devs = [devices[k] for k in order]
+        p = _solve(tab, devs, tuple(order), _links(link, devs), ks, m)
+        if p is not None and (best is None
+                              or (p.bottleneck, sum(p.times)) < (best.bottleneck, sum(best.times))):
+            best = p
+    if best is None:
+        raise _infeasible(blocks, devices, lambda s: ks[s], any_order=True)
+    return best
