@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from sparsepipe_hpc.train.config import (TASK_DEFAULTS, ConfigError, TrainConfig, parse_config,
                                          resolve_layout)
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_defaults_by_task():
@@ -98,3 +110,51 @@ def test_layout_checks():
 def test_errors_are_value_errors():
     assert issubclass(ConfigError, ValueError)
     assert TrainConfig().task == "seg"
+
+
+def test_toml_falls_back_to_tomli_without_tomllib(tmp_path):
+    """Python 3.10 has no tomllib: config.py must read --config files with tomli. Simulated in a
+    fresh interpreter where ``import tomllib`` fails and ``tomli`` is a stand-in that records
+    its use."""
+    (tmp_path / "run.toml").write_text('task = "cls"\nbatch-size = 6\ngrid = [1, 1, 1]\n')
+    script = (
+        "import sys, types\n"
+        "try:\n    import tomllib as real\n"
+        "except ModuleNotFoundError:\n    import tomli as real\n"
+        "sys.modules['tomllib'] = None  # import tomllib -> ImportError, as on Python 3.10\n"
+        "shim = types.ModuleType('tomli'); shim.used = []\n"
+        "def load(f): shim.used.append(1); return real.load(f)\n"
+        "shim.load, shim.TOMLDecodeError = load, real.TOMLDecodeError\n"
+        "sys.modules['tomli'] = shim\n"
+        "from sparsepipe_hpc.train import config\n"
+        f"cfg = config.parse_config(['--config', {str(tmp_path / 'run.toml')!r}])\n"
+        "assert config.tomllib is shim and shim.used == [1], config.tomllib\n"
+        "print(cfg.task, cfg.batch_size)\n"
+        f"(open({str(tmp_path / 'bad.toml')!r}, 'w').write('task = '))\n"
+        "try:\n"
+        f"    config.parse_config(['--config', {str(tmp_path / 'bad.toml')!r}])\n"
+        "except config.ConfigError as e:\n"
+        "    print('ConfigError', e)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "cls 6"
+    assert lines[1].startswith("ConfigError --config") and "not valid TOML" in lines[1]
+
+
+def test_tomli_is_a_dependency_before_python_3_11():
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    tomli = [d for d in deps if d.replace(" ", "").startswith("tomli")]
+    assert tomli and 'python_version<"3.11"' in tomli[0].replace(" ", ""), deps
+
+
+def test_replica_batch_beyond_the_sparse_tensor_limit():
+    cfg = parse_config(["--batch-size", "600"])
+    with pytest.raises(ConfigError, match=r"--batch-size 600 puts 300 samples on each of 2 "
+                                          r"replica\(s\); a replica takes at most 256 per step: "
+                                          r"pass --batch-size 512 or less"):
+        resolve_layout(cfg, 2)
+    assert resolve_layout(parse_config(["--batch-size", "512"]), 2).replicas == 2

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections import namedtuple
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -17,8 +24,9 @@ from mpi4py import MPI
 from sparsepipe_hpc.data.synth import generate_objects, generate_scenes
 from sparsepipe_hpc.train import checkpoint as ck
 from sparsepipe_hpc.train.config import parse_config
-from sparsepipe_hpc.train.loop import SetupError, Trainer
+from sparsepipe_hpc.train.loop import LrSchedule, SetupError, Trainer
 from sparsepipe_hpc.train.metrics import read_metrics
+from sparsepipe_hpc.train.output import OutputError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,3 +213,226 @@ def tiny_args(data, out):
 
 def losses_count(out):
     return len(losses(out))
+
+
+# --- resume with another --steps (issue 9, item 4) -----------------------------------------------
+def test_resume_with_more_steps_continues_the_cosine(data, tmp_path):
+    train(tiny(data, tmp_path, "--steps", "4", "--lr", "0.01"))
+    said: list[str] = []
+    res = Trainer(tiny(data, tmp_path, "--steps", "8", "--lr", "0.01", "--resume", "auto"),
+                  MPI.COMM_SELF, log=said.append).run()
+    assert res["step"] == 8
+    lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl", "train")}
+    assert sorted(lrs) == list(range(1, 9))
+    # Steps 5..8 follow the cosine over 8 steps (not the old one's final rate of 0).
+    new = LrSchedule("cosine", 8)
+    assert [lrs[s] for s in range(5, 9)] == [0.01 * new(s - 1) for s in range(5, 9)]
+    assert min(lrs[s] for s in range(5, 9)) > 0
+    banner = " ".join(said)
+    assert "the checkpoint's run planned cosine over 4 steps" in banner
+    assert "cosine over 8 steps" in banner and "step 5 runs at lr 0.005" in banner
+    assert state(tmp_path)["scheduler"]["lr_lambdas"][0]["total"] == 8
+
+
+# --- temporary files, manifest (issue 9, item 7 and "checkpoint manifest") -----------------------
+def test_start_removes_temp_files_left_by_a_killed_save(data, tmp_path):
+    """A process SIGKILLed inside torch.save leaves .last.pt.tmp-<pid>; the next start removes
+    it (and only files named like ours)."""
+    out = tmp_path / "run"
+    script = (
+        "import os, signal, torch\n"
+        "from sparsepipe_hpc.train import checkpoint as ck\n"
+        "def dying_save(obj, f, *a, **k):\n"
+        "    f.write(b'PK' + bytes(1 << 20)); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "torch.save = dying_save\n"
+        f"ck.atomic_save({{'step': 1}}, {str(out / 'last.pt')!r})\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    left = [p.name for p in out.iterdir()]  # what the killed save left behind, for ever (before)
+    assert len(left) == 1 and left[0].startswith(".last.pt.tmp-") and left[0][13:].isdigit()
+    assert (out / left[0]).stat().st_size > 1 << 20
+    (out / ".last.pt.tmp-mine").write_bytes(b"not ours")
+    said: list[str] = []
+    Trainer(tiny(data, out, "--steps", "1"), MPI.COMM_SELF, log=said.append)
+    assert sorted(p.name for p in out.iterdir()) == [".last.pt.tmp-mine", "config.json",
+                                                     "metrics.jsonl"]
+    assert any(f"removed 1 temporary file(s) left in {out}" in m and left[0] in m for m in said)
+
+
+def test_manifest_records_and_verifies_the_checkpoint(data, tmp_path):
+    train(tiny(data, tmp_path / "a", "--steps", "2"))
+    path = tmp_path / "a" / "last.pt"
+    manifest = json.loads(ck.manifest_path(path).read_text())
+    cur = manifest["current"]
+    assert manifest["format"] == ck.MANIFEST_FORMAT and manifest["checkpoint"] == "last.pt"
+    assert cur["step"] == 2 and cur["total_steps"] == 2 and cur["config"]["width"] == 4
+    assert cur["layout"]["world_size"] == 1 and cur["layout"]["grid"] == [1, 1, 1]
+    assert "torch" in cur["versions"] and "mpi" in cur["versions"]
+    good = path.read_bytes()
+    assert cur["files"]["last.pt"] == {"bytes": len(good),
+                                       "sha256": hashlib.sha256(good).hexdigest()}
+    assert ck.load_checkpoint(path)["manifest"] == cur
+
+    def resume():
+        return Trainer(tiny(data, tmp_path / "b", "--steps", "3", "--resume", str(path)),
+                       MPI.COMM_SELF, log=None)
+
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0xFF  # one bit-rotted byte inside the weights: torch loads it
+    path.write_bytes(flipped)
+    with pytest.raises(SetupError, match=r"last.pt: the file does not match its manifest .*"
+                                         r"manifest.json \(step 2\): its contents changed"):
+        resume()
+    path.write_bytes(good[: len(good) // 3])
+    with pytest.raises(SetupError, match=rf"truncated: {len(good) // 3:,} of the {len(good):,} "
+                                         r"bytes recorded"):
+        resume()
+    path.write_bytes(good)
+    assert resume().run()["step"] == 3
+
+
+def test_crash_between_manifest_and_rename_leaves_a_loadable_checkpoint(data, tmp_path,
+                                                                      monkeypatch):
+    from sparsepipe_hpc.train import output
+
+    train(tiny(data, tmp_path, "--steps", "2"))
+    real_commit = output.commit
+
+    def killed_before_rename(tmp, path, what):
+        if Path(path).name == "last.pt":
+            raise KeyboardInterrupt("killed between the manifest and the rename")
+        return real_commit(tmp, path, what)
+
+    monkeypatch.setattr(output, "commit", killed_before_rename)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(data, tmp_path, "--steps", "4", "--resume", "auto"))
+    monkeypatch.setattr(output, "commit", real_commit)
+    manifest = json.loads(ck.manifest_path(tmp_path / "last.pt").read_text())
+    assert manifest["current"]["step"] == 4 and manifest["previous"]["step"] == 2
+    assert ck.load_checkpoint(tmp_path / "last.pt")["step"] == 2  # the old file, still accepted
+    assert any(p.name.startswith(".last.pt.tmp-") for p in tmp_path.iterdir())
+    # Killed at the same place again, resumed from step 2: "previous" must name what is on disk
+    # (step 2), not the step-4 entry whose file never landed.
+    monkeypatch.setattr(output, "commit", killed_before_rename)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(data, tmp_path, "--steps", "3", "--resume", "auto"))
+    monkeypatch.setattr(output, "commit", real_commit)
+    manifest = json.loads(ck.manifest_path(tmp_path / "last.pt").read_text())
+    assert manifest["current"]["step"] == 3 and manifest["previous"]["step"] == 2
+    assert ck.load_checkpoint(tmp_path / "last.pt")["step"] == 2
+    assert train(tiny(data, tmp_path, "--steps", "3", "--resume", "auto"))["step"] == 3
+    assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
+
+
+# --- --out that cannot take the run (issue 9, item 6) ---------------------------------------------
+def test_out_not_writable_or_too_full_is_refused_before_step_1(data, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SetupError, match=r"cannot write the run directory \(--out\) .*file/run"):
+        Trainer(tiny(data, tmp_path / "file" / "run"), MPI.COMM_SELF, log=None)
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(1 << 30, (1 << 30) - 1000, 1000))
+    with pytest.raises(SetupError, match=r"--out .*run: its file system has 1000 bytes free, but "
+                                         r"a checkpoint of this model needs about \d"):
+        Trainer(tiny(data, tmp_path / "run"), MPI.COMM_SELF, log=None)
+
+
+def test_checkpoint_write_failure_is_a_clear_error(data, tmp_path, monkeypatch):
+    trainer = Trainer(tiny(data, tmp_path, "--steps", "2"), MPI.COMM_SELF, log=None)
+    real_save = torch.save
+
+    def disk_full(obj, f, *a, **k):
+        if isinstance(f, io.BytesIO):  # pickling a tensor (the RNG-state gather) uses torch.save
+            return real_save(obj, f, *a, **k)
+        f.write(b"PK\x03\x04")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(SetupError, match=rf"cannot write the checkpoint {tmp_path}/last.pt: "
+                                         r"RuntimeError: .*unexpected pos"):
+        trainer.run()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "metrics.jsonl"]
+
+
+def test_metrics_write_failure_stops_the_run(data, tmp_path):
+    trainer = Trainer(tiny(data, tmp_path, "--steps", "8", "--checkpoint-every", "0"),
+                      MPI.COMM_SELF, log=None)
+    real = trainer.metrics._file
+
+    class FillsUp:
+        writes = 0
+
+        def write(self, text):
+            FillsUp.writes += 1
+            if FillsUp.writes > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real.write(text)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    trainer.metrics._file = FillsUp()
+    with pytest.raises(OutputError, match=rf"cannot write the metrics log {tmp_path}/metrics.jsonl"
+                                          r": OSError: \[Errno 28\]"):
+        trainer.run()
+    assert trainer.step == 4  # step 3's record failed; step 4's agreement stopped every rank
+
+
+# --- bad data, found before step 1 (issue 9, items 5 and 6) ---------------------------------------
+def bad_copy(data, tmp_path, split, edit):
+    d = tmp_path / "data"
+    shutil.copytree(data["seg"], d)
+    with h5py.File(d / f"{split}.h5", "r+") as f:
+        edit(f)
+    return d
+
+
+def swap_classes(f):
+    names = [n.decode() if isinstance(n, bytes) else n for n in f.attrs["class_names"]]
+    names[1], names[2] = names[2], names[1]
+    f.attrs["class_names"] = np.array(names, dtype=h5py.string_dtype())
+
+
+def stale_bounds(f):
+    hi = f.attrs["bounds_max"]
+    hi[0] -= 0.3
+    f.attrs["bounds_max"] = hi
+
+
+def outlier(f):
+    g = f["scenes"][sorted(f["scenes"])[1]]
+    for key, extra in (("xyz", [[5000.0, 1.0, 1.0]]), ("label", [0]), ("rgb", [[1, 2, 3]])):
+        values = np.concatenate([g[key][()], np.asarray(extra, dtype=g[key].dtype)])
+        del g[key]
+        g.create_dataset(key, data=values)
+    hi = f.attrs["bounds_max"]
+    hi[0] = 5000.0
+    f.attrs["bounds_max"] = hi
+
+
+@pytest.mark.parametrize("split, edit, voxel, words", [
+    ("val", swap_classes, "0.2", ["train.h5", "val.h5", "'class_names'", "another order"]),
+    ("train", stale_bounds, "0.2", ["train.h5", "outside the box of the root attributes", "stale"]),
+    ("train", outlier, "0.05", ["train.h5", "x = 5000 m in scene 'room_0001'", "--voxel-size"]),
+    ("train", lambda f: None, "0.00005", ["65536 voxels per axis", "--voxel-size"]),
+])
+def test_bad_data_is_refused_before_step_1(data, tmp_path, split, edit, voxel, words):
+    d = bad_copy(data, tmp_path, split, edit)
+    cfg = parse_config(["--data", str(d), "--out", str(tmp_path / "o"), "--width", "4",
+                        "--depth", "2", "--voxel-size", voxel, "--batch-size", "2",
+                        "--no-progress", "--steps", "2"])
+    with pytest.raises(SetupError) as info:
+        Trainer(cfg, MPI.COMM_SELF, log=None)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def test_cli_outlier_exits_2_before_training(data, tmp_path):
+    d = bad_copy(data, tmp_path, "train", outlier)
+    proc = run_cli(tiny_args({"seg": d}, tmp_path / "o")[:-4] + [
+        "--voxel-size", "0.05", "--batch-size", "2", "--steps", "2", "--no-progress"])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert err.startswith("sparsepipe_hpc.train: error: the points span") and "Traceback" not in err
+    assert "room_0001" in err and "--voxel-size" in err
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()  # refused before step 1

@@ -10,19 +10,22 @@
 Modules: ``checks`` (DataFormatError and shared HDF5 validation), ``scenes`` (scene layout for
 segmentation), ``modelnet`` (ModelNet40 HDF5 layout for classification), ``shapes`` and ``synth``
 (synthetic rooms and objects; ``python -m sparsepipe_hpc.data.synth``), ``default`` (cached
-default data), ``loader`` (grid, augmentation, collate), ``sharding`` (batch order per replica).
+default data), ``loader`` (grid, augmentation, collate), ``sharding`` (batch order per replica),
+``splits`` (train and validation splits must agree).
 """
 
 from sparsepipe_hpc.data.checks import DataFormatError
 from sparsepipe_hpc.data.default import DataGenerationError, default_data
-from sparsepipe_hpc.data.loader import Batch, augment_points, collate, grid_for
+from sparsepipe_hpc.data.loader import (JITTER, Batch, GridSizeError, augment_margin,
+                                        augment_points, collate, grid_for)
 from sparsepipe_hpc.data.modelnet import ModelNetDataset, write_modelnet
 from sparsepipe_hpc.data.sample import Sample
 from sparsepipe_hpc.data.scenes import SceneDataset, write_scenes
 from sparsepipe_hpc.data.sharding import ShardedBatches
+from sparsepipe_hpc.data.splits import check_splits
 
 __all__ = [
-    "Batch", "DataFormatError", "DataGenerationError", "ModelNetDataset", "Sample",
-    "SceneDataset", "ShardedBatches", "augment_points", "collate", "default_data", "grid_for",
-    "write_modelnet", "write_scenes",
+    "Batch", "DataFormatError", "DataGenerationError", "GridSizeError", "JITTER", "ModelNetDataset",
+    "Sample", "SceneDataset", "ShardedBatches", "augment_margin", "augment_points", "check_splits",
+    "collate", "default_data", "grid_for", "write_modelnet", "write_scenes",
 ]

@@ -16,7 +16,8 @@ Batch contract (B samples, N voxels in all):
     labels          int64 [N] majority point label per voxel (segmentation), or [B] (classification)
     offsets         int64 [B + 1] voxel row offsets per sample
     point_to_voxel  list of B int64 [P_b]: each point's row *within its sample's voxels* (add
-                    ``offsets[b]`` for a row of ``x``), -1 for a point clipped off the grid
+                    ``offsets[b]`` for a row of ``x``); -1 only for a point dropped off the grid
+                    by an explicit ``clip=True``
     point_labels    list of B int64 [P_b] per-point labels (segmentation), [] for classification
     names           list of B sample names
 
@@ -36,15 +37,30 @@ from sparsepipe_hpc.data.modelnet import ModelNetDataset
 from sparsepipe_hpc.data.sample import Sample
 from sparsepipe_hpc.data.scenes import SceneDataset
 from sparsepipe_hpc.data.sharding import ShardedBatches
-from sparsepipe_hpc.sparse import SparseTensor
+from sparsepipe_hpc.sparse import MAX_EXTENT, SparseTensor
 from sparsepipe_hpc.voxelize import voxelize
 
-__all__ = ["Batch", "collate", "grid_for", "augment_points", "Sample", "SceneDataset",
-           "ModelNetDataset", "ShardedBatches"]
+__all__ = ["Batch", "GridSizeError", "JITTER", "augment_margin", "collate", "grid_for",
+           "augment_points", "Sample", "SceneDataset", "ModelNetDataset", "ShardedBatches"]
+
+#: Default standard deviation (metres) of the per-point jitter of :func:`augment_points`.
+JITTER = 0.005
+
+
+class GridSizeError(ValueError):
+    """The points and the voxel size give a grid wider than a sparse tensor can index."""
 
 
 class _HasBounds(Protocol):
     def bounds(self) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+def augment_margin(jitter: float = JITTER) -> float:
+    """Metres to widen a grid by so that :func:`augment_points` (flips about the grid's centre,
+    x-y swap, jitter clamped to 3 sigma) keeps every point inside it: the flips and the swap map
+    a point at distance d from an edge to distance d from another edge, and the jitter moves it by
+    at most 3 sigma; the micrometre covers float rounding."""
+    return 3 * jitter + 1e-6
 
 
 @dataclass
@@ -71,35 +87,88 @@ class Batch:
                      list(self.names))
 
 
-def grid_for(dataset: _HasBounds | Sequence[_HasBounds], voxel_size: float, multiple: int = 16,
-             margin: float = 0.0) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
-    """A fixed global grid ``(origin (m), spatial_shape (voxels))`` holding every point.
-
-    ``dataset`` is one data set or several (e.g. train and val, so both share a grid); their
-    ``bounds()`` are united, widened by ``margin`` metres, snapped to voxel boundaries (the origin
-    is a multiple of ``voxel_size``) and padded evenly on both sides until every axis is a
-    multiple of ``multiple`` (the network's total stride). The result depends only on the files,
-    so every rank computes the same grid.
-    """
-    if not voxel_size > 0 or not math.isfinite(voxel_size):
-        raise ValueError(f"voxel_size must be a positive number of metres; got {voxel_size}")
-    if multiple < 1:
-        raise ValueError(f"multiple must be >= 1; got {multiple}")
-    sets = list(dataset) if isinstance(dataset, (list, tuple)) else [dataset]
-    lo = np.min([np.asarray(d.bounds()[0], dtype=np.float64) for d in sets], axis=0) - margin
-    hi = np.max([np.asarray(d.bounds()[1], dtype=np.float64) for d in sets], axis=0) + margin
+def _grid(lo: np.ndarray, hi: np.ndarray, voxel_size: float, multiple: int
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(first voxel index, padded extent) int64 [3] of the grid holding [lo, hi]."""
     first = np.floor(lo / voxel_size).astype(np.int64)
     last = np.floor(hi / voxel_size).astype(np.int64)  # the voxel holding the highest point
     n = last - first + 1
     padded = -(-n // multiple) * multiple
     first -= (padded - n) // 2  # pad evenly so that the grid's centre stays near the data's
+    return first, padded
+
+
+def _smallest_voxel(lo: np.ndarray, hi: np.ndarray, multiple: int) -> float:
+    """A round voxel size (3 significant digits) at which [lo, hi] fits in MAX_EXTENT voxels."""
+    v = float(np.max(hi - lo)) / max(1, MAX_EXTENT - multiple - 1)
+    v = float(f"{v:.2e}")
+    while (_grid(lo, hi, v, multiple)[1] > MAX_EXTENT).any():
+        v = float(f"{v * 1.01:.2e}")
+    return v
+
+
+def _extremes(sets: Sequence[_HasBounds], axis: int) -> tuple[str, str]:
+    """Where the lowest and the highest coordinate on ``axis`` lie, for messages: a sample when
+    the data set knows each sample's box, else the data set."""
+    found = []
+    for pick, side in ((np.argmin, 0), (np.argmax, 1)):
+        best: Optional[tuple[float, str]] = None
+        for d in sets:
+            per = getattr(d, "sample_bounds", lambda: None)()
+            if per is not None:
+                values = per[side][:, axis]
+                i = int(pick(values))
+                where, value = d.describe_sample(i), float(values[i])  # type: ignore[attr-defined]
+            else:
+                value = float(d.bounds()[side][axis])
+                where = repr(d)
+            if best is None or (value < best[0] if side == 0 else value > best[0]):
+                best = (value, where)
+        found.append(f"{'xyz'[axis]} = {best[0]:g} m in {best[1]}")  # type: ignore[index]
+    return found[0], found[1]
+
+
+def grid_for(dataset: _HasBounds | Sequence[_HasBounds], voxel_size: float, multiple: int = 16,
+             margin: Optional[float] = None
+             ) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
+    """A fixed global grid ``(origin (m), spatial_shape (voxels))`` holding every point.
+
+    ``dataset`` is one data set or several (e.g. train and val, so both share a grid); their
+    ``bounds()`` are united, widened by ``margin`` metres (default :func:`augment_margin`, so that
+    augmented points stay on the grid too), snapped to voxel boundaries (the origin is a multiple
+    of ``voxel_size``) and padded evenly on both sides until every axis is a multiple of
+    ``multiple`` (the network's total stride). The result depends only on the files, so every rank
+    computes the same grid.
+
+    Raises GridSizeError when an axis would need more than ``MAX_EXTENT`` (65,536) voxels, naming
+    the samples that hold the extreme coordinates (outliers far from the scene, or a voxel size
+    too small for the scene) and the smallest voxel size that fits.
+    """
+    if not voxel_size > 0 or not math.isfinite(voxel_size):
+        raise ValueError(f"voxel_size must be a positive number of metres; got {voxel_size}")
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1; got {multiple}")
+    margin = augment_margin() if margin is None else margin
+    sets = list(dataset) if isinstance(dataset, (list, tuple)) else [dataset]
+    lo = np.min([np.asarray(d.bounds()[0], dtype=np.float64) for d in sets], axis=0) - margin
+    hi = np.max([np.asarray(d.bounds()[1], dtype=np.float64) for d in sets], axis=0) + margin
+    first, padded = _grid(lo, hi, voxel_size, multiple)
+    if (padded > MAX_EXTENT).any():
+        axis = int(np.argmax(padded))
+        low, high = _extremes(sets, axis)
+        raise GridSizeError(
+            f"the points span {lo[axis] + margin:g} .. {hi[axis] - margin:g} m on {'xyz'[axis]}: "
+            f"{'x'.join(map(str, padded.tolist()))} voxels of {voxel_size:g} m, but a sparse "
+            f"tensor holds at most {MAX_EXTENT} voxels per axis. Lowest: {low}; highest: {high}. "
+            "Remove outlying points from those samples, or use voxels of at least "
+            f"{_smallest_voxel(lo, hi, multiple):g} m (trainer: --voxel-size)")
     origin = tuple(round(float(i * voxel_size), 9) for i in first)  # -1.2, not -1.2000000000000002
     return origin, tuple(int(s) for s in padded)  # type: ignore[return-value]
 
 
 def augment_points(points: torch.Tensor, origin: Sequence[float], spatial_shape: Sequence[int],
                    voxel_size: float, generator: Optional[torch.Generator],
-                   jitter: float = 0.005) -> torch.Tensor:
+                   jitter: float = JITTER) -> torch.Tensor:
     """A random symmetry of the grid's footprint plus jitter, for ``points [P, 3]`` float64 (m).
 
     Flips x and y about the grid's centre (each with probability 1/2) and, when the grid is square
@@ -126,15 +195,16 @@ def augment_points(points: torch.Tensor, origin: Sequence[float], spatial_shape:
 def collate(samples: Sequence[Sample], voxel_size: float, origin: Sequence[float],
             spatial_shape: Sequence[int], augment: bool = False,
             generator: torch.Generator | Sequence[torch.Generator] | None = None, *,
-            jitter: float = 0.005, clip: Optional[bool] = None) -> Batch:
+            jitter: float = JITTER, clip: bool = False) -> Batch:
     """Voxelize ``samples`` against the global grid and batch them (see :class:`Batch`).
 
     ``augment`` (training only) applies :func:`augment_points` drawing from ``generator``: one
     generator for the batch, or one per sample (``ShardedBatches.sample_generators``: then a
     sample's augmentation depends only on (seed, epoch, sample), not on the replica count). Points
-    off the grid raise, unless ``clip`` (default: ``augment``, since jitter may push a point over
-    the edge) drops them. Segmentation samples give per-voxel majority labels, classification
-    samples one label each; a batch may not mix the two.
+    off the grid raise a VoxelizeError naming the sample, unless ``clip=True`` drops them; a grid
+    from :func:`grid_for` (default margin) holds every augmented point, so nothing is dropped
+    silently. Segmentation samples give per-voxel majority labels, classification samples one
+    label each; a batch may not mix the two.
     """
     if len(samples) == 0:
         raise ValueError("collate: got no samples; a batch needs at least one")
@@ -142,7 +212,6 @@ def collate(samples: Sequence[Sample], voxel_size: float, origin: Sequence[float
     if per_sample and len(generator) != len(samples):  # type: ignore[arg-type]
         raise ValueError(f"collate: got {len(generator)} generators for "  # type: ignore[arg-type]
                          f"{len(samples)} samples; pass one per sample or a single one")
-    clip = augment if clip is None else clip
     seg = samples[0].labels is not None
     channels = samples[0].feats.shape[1]
     voxels, point_labels = [], []

@@ -105,7 +105,7 @@ class ModelNetDataset:
                         raise DataFormatError(f"{path}: attribute 'class_names' differs from that "
                                               f"of {files[0]}: {names} vs {file_names}")
                     file_names = names
-        self.class_names = self._class_names(class_names, file_names)
+        self.class_names, self.class_names_from = self._class_names(class_names, file_names)
         self.counts = np.asarray(counts, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)])
         self.points_per_file = points
@@ -113,18 +113,25 @@ class ModelNetDataset:
             raise ValueError(f"num_points must lie in [1, {min(points)}] (the fewest points per "
                              f"object in these files); got {num_points}")
         self.num_points = num_points
-        lo, hi = np.full(3, np.inf), np.full(3, -np.inf)
-        if check == "full":
-            for path in files:
-                with open_h5(path) as f:
-                    data = read(path, f["data"])
-                    check_finite(path, "/data", data)
+        self._bounds: Optional[tuple[np.ndarray, np.ndarray]] = None
+        self._sample_bounds: Optional[tuple[np.ndarray, np.ndarray]] = None
+        if check == "full":  # every value, and each object's box (to name outliers)
+            self._sample_bounds = self._object_boxes(labels=True)
+            self._bounds = (self._sample_bounds[0].min(0), self._sample_bounds[1].max(0))
+
+    def _object_boxes(self, labels: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(min, max) float64 [S, 3] of each object's points, checked finite (and the labels in
+        range with ``labels``)."""
+        los, his = [], []
+        for path in self.files:
+            with open_h5(path) as f:
+                data = read(path, f["data"])
+                check_finite(path, "/data", data)
+                if labels:
                     self._check_labels(path, read(path, f["label"]))
-                    lo = np.minimum(lo, data.reshape(-1, 3).min(0))
-                    hi = np.maximum(hi, data.reshape(-1, 3).max(0))
-            self._bounds: Optional[tuple[np.ndarray, np.ndarray]] = (lo, hi)
-        else:
-            self._bounds = None
+            los.append(data.min(1).astype(np.float64))
+            his.append(data.max(1).astype(np.float64))
+        return np.concatenate(los), np.concatenate(his)
 
     def _check_structure(self, path: Path, f: h5py.File) -> tuple[int, int]:
         data = require_dataset(f, path, "data")
@@ -141,17 +148,20 @@ class ModelNetDataset:
         return int(s), int(p)
 
     def _class_names(self, given: Optional[Sequence[str]], in_files: Optional[list[str]]
-                     ) -> list[str]:
+                     ) -> tuple[list[str], str]:
+        """(names, where they came from: for messages)."""
         if given is not None:
-            return list(given)
+            return list(given), "the class_names argument"
         if in_files is not None:
-            return in_files
+            return in_files, f"attribute 'class_names' of {self.files[0]}"
         txt = self.files[0].parent / "shape_names.txt"
         if txt.is_file():
             names = [line.strip() for line in txt.read_text().splitlines() if line.strip()]
             if names:
-                return names
-        return [f"class_{k}" for k in range(MODELNET40_CLASSES)]
+                return names, str(txt)
+        return ([f"class_{k}" for k in range(MODELNET40_CLASSES)],
+                f"the ModelNet40 default (no 'class_names' attribute in {self.files[0]}, no "
+                "shape_names.txt beside it)")
 
     def _check_labels(self, path: Path, label: np.ndarray) -> None:
         k = len(self.class_names)
@@ -198,14 +208,19 @@ class ModelNetDataset:
     def bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """(min, max) float64 [3] over every point of every file (one scan, cached)."""
         if self._bounds is None:
-            lo, hi = np.full(3, np.inf), np.full(3, -np.inf)
-            for path in self.files:
-                data = read(path, self._h5(path)["data"])
-                check_finite(path, "/data", data)
-                lo = np.minimum(lo, data.reshape(-1, 3).min(0))
-                hi = np.maximum(hi, data.reshape(-1, 3).max(0))
-            self._bounds = (lo, hi)
+            self._sample_bounds = self._object_boxes()
+            self._bounds = (self._sample_bounds[0].min(0), self._sample_bounds[1].max(0))
         return self._bounds
+
+    def sample_bounds(self) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """(min [S, 3], max [S, 3]) float64 per object, when known (after a full check or a
+        :meth:`bounds` scan); else None."""
+        return self._sample_bounds
+
+    def describe_sample(self, i: int) -> str:
+        """Where object ``i`` lives, for messages: ``object 17 (row 5 of /data/train1.h5)``."""
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        return f"object {i} (row {i - int(self.offsets[k])} of {self.files[k]})"
 
     def close(self) -> None:
         if self._pid == os.getpid():

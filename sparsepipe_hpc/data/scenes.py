@@ -12,6 +12,10 @@ Layout (HDF5, one file per split, e.g. ``train.h5``, ``val.h5``)::
                                   bounds_min, bounds_max          (optional float [3], metres: the
                                                                    box holding every point; saves
                                                                    a scan in grid_for)
+                                  voxel_size                      (optional float > 0, metres: the
+                                                                   edge the points were thinned to,
+                                                                   if they were; must agree across
+                                                                   splits)
     /scenes/<name>/xyz     float  [P, 3]  point positions in metres, finite, P >= 1
     /scenes/<name>/rgb     uint8 [P, 3] in 0..255, or float [P, 3] in [0, 1]   (optional; present
                                           in every scene or in none)
@@ -22,10 +26,12 @@ float width is accepted for ``xyz`` and any integer width for ``label``; a sampl
 and int64. There is no "ignore" label: unlabelled points must be dropped or given a class.
 
 Validation: opening checks the attributes, every scene's datasets, shapes and dtypes and, with
-``check="full"`` (the default), every value (finite coordinates, colours and labels in range). A
-scene that breaks a rule raises :class:`DataFormatError` naming the file, the dataset and the rule.
-``check="structure"`` skips the value scan (for very large files); values are still checked when a
-scene is read.
+``check="full"`` (the default), every value (finite coordinates, colours and labels in range, and
+points inside ``bounds_min``/``bounds_max`` when stored: stale bounds would build a grid that misses
+points). A scene that breaks a rule raises :class:`DataFormatError` naming the file, the dataset and
+the rule. ``check="structure"`` skips the value scan (for very large files); values are still
+checked when a scene is read. :func:`sparsepipe_hpc.data.splits.check_splits` checks that two
+splits agree (classes, features, voxel size).
 """
 
 from __future__ import annotations
@@ -82,6 +88,10 @@ def write_scenes(path: str | Path,
     return path
 
 
+def _fmt(v: np.ndarray) -> str:
+    return "[" + ", ".join(f"{float(x):.9g}" for x in v) + "]"
+
+
 class SceneDataset:
     """Scenes of one split in the layout above; ``ds[i]`` is a :class:`Sample` with ``labels``.
 
@@ -104,9 +114,18 @@ class SceneDataset:
         self._file: Optional[h5py.File] = None
         self._pid = -1
         self._bounds: Optional[tuple[np.ndarray, np.ndarray]] = None
+        self._stored_bounds: Optional[tuple[np.ndarray, np.ndarray]] = None
+        self._scene_bounds: Optional[tuple[np.ndarray, np.ndarray]] = None
+        self.voxel_size: Optional[float] = None
         with open_h5(path) as f:
             self._read_header(f)
-            sizes = [self._check_scene(f, n, full=check == "full") for n in self.names]
+            checked = [self._check_scene(f, n, full=check == "full") for n in self.names]
+        sizes = [n for n, _ in checked]
+        if check == "full":  # every scene was read: keep each one's box (names outliers)
+            self._scene_bounds = (np.stack([b[0] for _, b in checked]),  # type: ignore[index]
+                                  np.stack([b[1] for _, b in checked]))  # type: ignore[index]
+            if self._bounds is None:
+                self._bounds = (self._scene_bounds[0].min(0), self._scene_bounds[1].max(0))
         self.sizes = np.asarray(sizes, dtype=np.int64)
 
     # --- header and per-scene validation --------------------------------------------------------
@@ -140,9 +159,18 @@ class SceneDataset:
                                                              and (lo <= hi).all()):
                 raise DataFormatError(f"{p}: attributes bounds_min/bounds_max must be finite [3] "
                                       f"with min <= max; got {lo.tolist()} / {hi.tolist()}")
-            self._bounds = (lo, hi)
+            self._bounds = self._stored_bounds = (lo, hi)
+        if "voxel_size" in f.attrs:
+            v = np.asarray(f.attrs["voxel_size"])
+            if v.shape not in ((), (1,)) or v.dtype.kind not in "fiu" or not (
+                    np.isfinite(v).all() and float(v.reshape(-1)[0]) > 0):
+                raise DataFormatError(f"{p}: attribute 'voxel_size' must be one number > 0 "
+                                      f"(metres); got {f.attrs['voxel_size']!r}")
+            self.voxel_size = float(v.reshape(-1)[0])
 
-    def _check_scene(self, f: h5py.File, name: str, full: bool) -> int:
+    def _check_scene(self, f: h5py.File, name: str, full: bool
+                     ) -> tuple[int, Optional[tuple[np.ndarray, np.ndarray]]]:
+        """(points, (min, max) float64 [3] when ``full`` read the values, else None)."""
         p = self.path
         g = f["scenes"].get(name)
         if not isinstance(g, h5py.Group):
@@ -167,9 +195,11 @@ class SceneDataset:
             if not (rgb.dtype == np.uint8 or rgb.dtype.kind == "f"):
                 raise DataFormatError(f"{p}: dataset '{rgb.name}' must be uint8 (0..255) or float "
                                       f"(0..1); got dtype {rgb.dtype}")
+        box = None
         if full:
-            self._read_scene(f, name)
-        return int(npts)
+            xyz = self._read_scene(f, name)[0]
+            box = (xyz.min(0).astype(np.float64), xyz.max(0).astype(np.float64))
+        return int(npts), box
 
     def _read_scene(self, f: h5py.File, name: str
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -178,6 +208,8 @@ class SceneDataset:
         g = f["scenes"][name]
         xyz = read(p, g["xyz"])
         check_finite(p, g["xyz"].name, xyz)
+        if self._stored_bounds is not None:
+            self._check_in_bounds(g["xyz"].name, xyz)
         label = read(p, g["label"])
         check_range(p, g["label"].name, label, 0, len(self.class_names) - 1,
                     f"{len(self.class_names)} classes in 'class_names'")
@@ -192,6 +224,28 @@ class SceneDataset:
         else:
             feats = np.ones((len(xyz), 1), dtype=np.float32)
         return xyz.astype(np.float32, copy=False), feats, label.astype(np.int64)
+
+    def _check_in_bounds(self, name: str, xyz: np.ndarray) -> None:
+        """Stale bounds attributes give a grid that misses these points: refuse them by name."""
+        lo, hi = self._stored_bounds  # type: ignore[misc]
+        outside = ((xyz < lo) | (xyz > hi)).any(1)
+        if outside.any():
+            i = int(np.argmax(outside))
+            raise DataFormatError(
+                f"{self.path}: dataset '{name}' has {int(outside.sum())} point(s) outside the box "
+                f"of the root attributes bounds_min {_fmt(lo)} / bounds_max {_fmt(hi)}; first: "
+                f"point {i} at {_fmt(xyz[i])}. The attributes are stale (the grid is "
+                "built from them, so those points would be lost): rewrite them as the min/max "
+                "over every point, or delete them (the points are then scanned)")
+
+    def sample_bounds(self) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """(min [S, 3], max [S, 3]) float64 metres per scene, when known (after a full check or
+        a :meth:`bounds` scan); else None."""
+        return self._scene_bounds
+
+    def describe_sample(self, i: int) -> str:
+        """Where sample ``i`` lives, for messages: ``scene 'room_3' of /data/train.h5``."""
+        return f"scene '{self.names[i]}' of {self.path}"
 
     # --- data set protocol ----------------------------------------------------------------------
     def _h5(self) -> h5py.File:
@@ -224,15 +278,15 @@ class SceneDataset:
         """(min, max) float64 [3], metres, over every point: from the file's attributes when
         stored, else by one scan (cached)."""
         if self._bounds is None:
-            lo = np.full(3, np.inf)
-            hi = np.full(3, -np.inf)
             f = self._h5()
+            los, his = [], []
             for name in self.names:
                 xyz = read(self.path, f["scenes"][name]["xyz"])
                 check_finite(self.path, f["scenes"][name]["xyz"].name, xyz)
-                lo = np.minimum(lo, xyz.min(0))
-                hi = np.maximum(hi, xyz.max(0))
-            self._bounds = (lo, hi)
+                los.append(xyz.min(0).astype(np.float64))
+                his.append(xyz.max(0).astype(np.float64))
+            self._scene_bounds = (np.stack(los), np.stack(his))
+            self._bounds = (self._scene_bounds[0].min(0), self._scene_bounds[1].max(0))
         return self._bounds
 
     def close(self) -> None:

@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence
 
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout, parse_grid
+from sparsepipe_hpc.sparse import MAX_BATCH
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package (a conditional dependency)
+    import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = ["ConfigError", "TrainConfig", "TASK_DEFAULTS", "build_parser", "parse_config",
            "resolve_layout", "local_batch_size"]
@@ -169,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=_positive_int, help="passes over the training set "
                    "(default 8 seg, 4 cls)")
-    g.add_argument("--steps", type=_positive_int, help="optimizer steps (overrides --epochs)")
+    g.add_argument("--steps", type=_positive_int, help="optimizer steps (overrides --epochs); "
+                   "a resumed run may ask for more than the checkpoint's run did")
     g.add_argument("--batch-size", type=_positive_int, help="GLOBAL batch (samples per step over "
                    "all replicas; a multiple of the replicas; default 4 seg, 32 cls)")
     g.add_argument("--optimizer", choices=("adamw", "sgd"), help="AdamW, or SGD with momentum 0.9 "
@@ -178,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "0.03 sgd)")
     g.add_argument("--weight-decay", type=_nonneg_float, help="default 1e-4")
     g.add_argument("--schedule", choices=("cosine", "constant"), help="learning-rate schedule "
-                   "over all steps (default cosine)")
+                   "over all steps (default cosine). A function of (step, total steps, --lr, "
+                   "--warmup) taken from the current options, also on --resume: a longer run "
+                   "continues on the cosine of its new total")
     g.add_argument("--warmup", type=_nonneg_int, help="linear warm-up steps (default 0)")
     g.add_argument("--seed", type=int, help="seeds model init, data order and augmentation "
                    "(default 0)")
@@ -299,6 +307,12 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     if cfg.batch_size % layout.replicas:
         raise ConfigError(f"--batch-size {cfg.batch_size} cannot be split over {layout.replicas} "
                           f"replicas; pass a multiple of {layout.replicas}")
+    local = cfg.batch_size // layout.replicas
+    if local > MAX_BATCH:  # a replica's samples form one SparseTensor, whose keys hold 8 bits
+        raise ConfigError(f"--batch-size {cfg.batch_size} puts {local} samples on each of "
+                          f"{layout.replicas} replica(s); a replica takes at most {MAX_BATCH} "
+                          f"per step: pass --batch-size {MAX_BATCH * layout.replicas} or less, "
+                          "or run more replicas (ranks)")
     return layout
 
 

@@ -19,6 +19,19 @@ Shares sum to the single-process mean loss of the global batch and summed gradie
 gradient, so any layout trains the same model as one process (up to float rounding). Augmentation
 is drawn per sample from a generator seeded by ``(seed, epoch, sample index)``, so it too does not
 depend on which replica reads the sample, nor on where a resumed run restarted.
+
+Resume: model, optimizer moments, data position and RNG states come from the checkpoint; the
+learning-rate schedule does not. It is a pure function of (step, total steps) with the current
+``--lr``, ``--schedule`` and ``--warmup`` (:class:`LrSchedule`), rebuilt at every start: the same
+options continue the uninterrupted run bitwise, and a larger ``--steps`` continues on the cosine of
+the new total (the rate at the resumed step jumps to that curve; the banner says so), instead of
+running the extra steps at the old schedule's final rate of 0.
+
+Checked before step 1, on every rank together (:func:`agree`): the data files, that the splits
+agree (:func:`sparsepipe_hpc.data.check_splits`), the grid's size, the checkpoint and its
+manifest, and that ``--out`` is writable with room for a checkpoint. Rank 0 alone writes the run
+directory; a write that fails later reaches every rank too: checkpoints through :func:`agree`,
+``metrics.jsonl`` through a flag in the per-step all-reduce.
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparsepipe_hpc.data import (ModelNetDataset, SceneDataset, ShardedBatches,
+from sparsepipe_hpc.data import (ModelNetDataset, SceneDataset, ShardedBatches, check_splits,
                                  collate, default_data, grid_for)
 from sparsepipe_hpc.nn import build_model
 from sparsepipe_hpc.nn.functional import allreduce_
@@ -46,6 +59,7 @@ from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.train import checkpoint as ckpt_io
 from sparsepipe_hpc.train.config import TrainConfig, local_batch_size, resolve_layout
 from sparsepipe_hpc.train.metrics import ConfusionMatrix, MetricsLog, format_summary
+from sparsepipe_hpc.train.output import OutputError, atomic_write, check_out_dir, format_bytes
 
 __all__ = ["Trainer", "SetupError", "LrSchedule", "agree", "check_same", "check_grid_fits",
            "data_fingerprint"]
@@ -137,8 +151,10 @@ def check_grid_fits(grid: Sequence[int], shape: Sequence[int], stride: int,
 
 
 class LrSchedule:
-    """Learning-rate factor per step: linear warm-up, then cosine to 0 or constant (picklable,
-    so ``LambdaLR.state_dict`` stays small and a resumed run gets the same factors)."""
+    """Learning-rate factor per step: linear warm-up, then cosine to 0 at ``total_steps``, or
+    constant. A pure function of the step and the options: a resumed run rebuilds it from its own
+    options (see the module docstring); its fields ride along in ``LambdaLR.state_dict`` only to
+    say, on resume, what the checkpoint's run had planned."""
 
     def __init__(self, kind: str, total_steps: int, warmup: int = 0):
         self.kind, self.total, self.warmup = kind, max(1, total_steps), warmup
@@ -209,6 +225,8 @@ class Trainer:
                                  width=cfg.width, depth=cfg.depth, engine=cfg.engine)
         self.ctx.broadcast_parameters(self.model)
         self.stride = self.model.total_stride
+        # The default margin holds every augmented point (flips, swap, jitter), so training can
+        # voxelize with clip=False: a point off the grid is an error, never silently dropped.
         self.origin, self.shape = agree(comm, lambda: grid_for(
             [self.train_set, self.val_set], cfg.voxel_size, multiple=self.stride))
         check_grid_fits(self.layout.grid, self.shape, self.stride, cfg)
@@ -227,6 +245,7 @@ class Trainer:
             self.optimizer, LrSchedule(cfg.schedule, self.total_steps, cfg.warmup))
         self.step = 0
         self.epoch = 0
+        self._on_disk: Optional[ckpt_io.FileDigest] = None  # the checkpoint at <out>/last.pt
 
         out = cfg.out or f"runs/{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.out = Path(comm.bcast(out, root=0))  # one timestamp for all ranks
@@ -235,11 +254,8 @@ class Trainer:
         self.resumed_from = resume
         if resume is not None:
             agree(comm, lambda: self._load(resume))
-        agree(comm, lambda: self.out.mkdir(parents=True, exist_ok=True) if self.is_root else None)
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.is_root)
-        if resume is not None:
-            self.metrics.truncate_after(self.step)
-        self._write_config()
+        # Rank 0 writes the run directory; a failure there (read-only, full) stops every rank.
+        self.metrics: MetricsLog = agree(comm, self._open_outputs)
 
     # --- setup -----------------------------------------------------------------------------------
     def _open_data(self, path: Path) -> tuple[Any, Any]:
@@ -247,18 +263,52 @@ class Trainer:
             raise SetupError(f"--data {path}: not a directory (seg: holds train.h5 and val.h5; "
                              "cls: ModelNet-layout train*.h5 and test*.h5)")
         if self.seg:
-            return SceneDataset(path, "train"), SceneDataset(path, "val")
-        return ModelNetDataset(path, "train"), ModelNetDataset(path, "test")
+            train, val = SceneDataset(path, "train"), SceneDataset(path, "val")
+        else:
+            train, val = ModelNetDataset(path, "train"), ModelNetDataset(path, "test")
+        check_splits(train, val, "train", "val" if self.seg else "test")
+        return train, val
+
+    def _checkpoint_bytes(self) -> int:
+        """About how large a checkpoint of this model and optimizer is (weights, buffers, one or
+        two moments per parameter, RNG states), plus a MiB of slack."""
+        weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        moments = 2 if self.cfg.optimizer == "adamw" else 1
+        return weights + moments * params + self.comm.Get_size() * (64 << 10) + (1 << 20)
+
+    def _open_outputs(self) -> MetricsLog:
+        """Rank 0: check ``--out`` (writable, room for a checkpoint), remove temporary files left
+        by a killed run, open ``metrics.jsonl`` (cut back to the resumed step), write
+        ``config.json``. Other ranks: a disabled log. Run under :func:`agree`."""
+        if not self.is_root:
+            return MetricsLog(self.out / "metrics.jsonl", enabled=False)
+        removed = ckpt_io.remove_stale_temps(self.out)  # first: they may be what fills the disk
+        check_out_dir(self.out, self._checkpoint_bytes())
+        if removed:
+            self._say(f"removed {len(removed)} temporary file(s) left in {self.out} by a run that "
+                      f"died while writing ({format_bytes(sum(n for _, n in removed))}): "
+                      + ", ".join(p.name for p, _ in removed))
+        metrics = MetricsLog(self.out / "metrics.jsonl", enabled=True)
+        if self.resumed_from is not None:
+            metrics.truncate_after(self.step)
+        self._write_config()
+        return metrics
 
     def _load(self, path: Path) -> None:
         ckpt = ckpt_io.load_checkpoint(path)
         ckpt_io.check_compatible(ckpt, self.cfg.to_dict(), path)
+        if ckpt.get("manifest") is None:
+            self._say(f"note: {path} has no manifest ({ckpt_io.manifest_path(path).name}): "
+                      "loading it without checksum verification")
+        elif Path(path).resolve() == (self.out / ckpt_io.LAST).resolve():
+            self._on_disk = ckpt_io.entry_digest(ckpt["manifest"], ckpt_io.LAST)
         try:
             self.model.load_state_dict(ckpt["model"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
-            self.scheduler.load_state_dict(ckpt["scheduler"])
             self.batches.load_state_dict(ckpt["loader"])
             self.step = int(ckpt["step"])
+            self._restore_schedule(ckpt["scheduler"])
             self.epoch = int(ckpt.get("epoch", 0))
             states = ckpt["rng"]
             # Same world size: each rank continues its own random streams (bitwise resume).
@@ -275,6 +325,29 @@ class Trainer:
             self._say(f"note: resuming a checkpoint written by {saved.get('replicas')} replica(s) "
                       f"x grid {saved.get('grid')} under {self.layout}: the loss continues to "
                       "float rounding, not bitwise")
+
+    def _restore_schedule(self, saved: dict[str, Any]) -> None:
+        """Take the scheduler's position (step) from the checkpoint and its schedule from the
+        current options; set this step's rate exactly as LambdaLR computes it (``base * factor``),
+        so that unchanged options continue bitwise."""
+        sched, groups = self.scheduler, self.optimizer.param_groups
+        old_fn = dict((saved.get("lr_lambdas") or [None])[0] or {})
+        old_base = saved.get("base_lrs")
+        sched.load_state_dict({**saved, "lr_lambdas": [None] * len(groups),
+                               "base_lrs": [self.cfg.lr] * len(groups), "last_epoch": self.step})
+        for group, base, fn in zip(groups, sched.base_lrs, sched.lr_lambdas):
+            group["initial_lr"] = base
+            group["lr"] = base * fn(self.step)
+        sched._last_lr = [g["lr"] for g in groups]  # what get_last_lr() reports  # noqa: SLF001
+        new_fn = dict(vars(sched.lr_lambdas[0]))
+        if old_fn != new_fn or old_base != sched.base_lrs:
+            old_lr = old_base[0] if old_base else None
+            self._say(f"learning-rate schedule from the current options: {new_fn['kind']} over "
+                      f"{new_fn['total']} steps (warm-up {new_fn['warmup']}, peak lr "
+                      f"{self.cfg.lr:g}); the checkpoint's run planned {old_fn.get('kind', '?')} "
+                      f"over {old_fn.get('total', '?')} steps (warm-up {old_fn.get('warmup', '?')},"
+                      f" peak lr {old_lr if old_lr is None else f'{old_lr:g}'}); step "
+                      f"{self.step + 1} runs at lr {groups[0]['lr']:.4g}")
 
     def _write_config(self) -> None:
         info = {"options": self.cfg.to_dict(), "out": str(self.out), "data": str(self.data_dir),
@@ -293,9 +366,8 @@ class Trainer:
                 "parameters": sum(p.numel() for p in self.model.parameters()),
                 "versions": _versions(self.comm)}
         if self.is_root:
-            tmp = self.out / ".config.json.tmp"
-            tmp.write_text(json.dumps(info, indent=1) + "\n")
-            tmp.replace(self.out / "config.json")
+            text = (json.dumps(info, indent=1) + "\n").encode()
+            atomic_write(self.out / "config.json", lambda f: f.write(text), "run configuration")
 
     # --- data ------------------------------------------------------------------------------------
     def _batch(self, dataset: Any, indices: Sequence[int], epoch: Optional[int]) -> Any:
@@ -305,7 +377,7 @@ class Trainer:
         augment = epoch is not None and self.cfg.augment
         generators = self.batches.sample_generators(indices, epoch) if augment else None
         return collate(samples, self.cfg.voxel_size, self.origin, self.shape, augment=augment,
-                       generator=generators)
+                       generator=generators, clip=False)
 
     def _forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(logits, labels, my voxels): logits [n_local, K] (seg) or [B_replica, K] (cls)."""
@@ -364,25 +436,44 @@ class Trainer:
 
     # --- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, path: Optional[Path] = None) -> Path:
-        """Rank 0 writes ``<out>/last.pt`` atomically, with every rank's RNG state.
+        """Rank 0 writes ``<out>/last.pt`` atomically, with every rank's RNG state, and its
+        manifest (see :mod:`sparsepipe_hpc.train.checkpoint`).
 
-        **Collective**: every rank gathers its RNG state to rank 0 and waits for the file.
+        **Collective**: every rank gathers its RNG state to rank 0 and waits for the file; a
+        failed write (OutputError: full or read-only disk) is raised on every rank.
         """
         path = path or self.out / ckpt_io.LAST
         states = self.comm.gather(ckpt_io.rng_state(), root=0)
-        if self.is_root:
-            ckpt_io.atomic_save({
+
+        def write() -> None:
+            if not self.is_root:
+                return
+            self.metrics.check()  # a metrics write that failed since the last agreement
+            layout = {"replicas": self.layout.replicas, "stages": self.layout.stages,
+                      "grid": list(self.layout.grid), "world_size": self.layout.size}
+            config, versions = self.cfg.to_dict(), _versions(self.comm)
+            last = path == self.out / ckpt_io.LAST
+            digest = ckpt_io.save_checkpoint({
                 "format": ckpt_io.FORMAT, "version": ckpt_io.VERSION, "step": self.step,
                 "epoch": self.epoch,
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "loader": self.batches.state_dict(),
-                "rng": states, "config": self.cfg.to_dict(),
-                "layout": {"replicas": self.layout.replicas, "stages": self.layout.stages,
-                           "grid": list(self.layout.grid), "world_size": self.layout.size},
-                "versions": _versions(self.comm)}, path)
+                "rng": states, "config": config, "layout": layout, "versions": versions}, path,
+                {"step": self.step, "epoch": self.epoch, "total_steps": self.total_steps,
+                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config,
+                 "layout": layout, "versions": versions}, on_disk=self._on_disk if last else None)
+            if last:
+                self._on_disk = digest
             self.metrics.sync()
-        self.comm.Barrier()  # nobody reads or exits before the file is in place
+
+        agree(self.comm, write)  # also the barrier: nobody reads or exits before the file is in
         return path
+
+    def _check_outputs(self, failed: bool) -> None:
+        """Raise rank 0's OutputError on every rank when ``failed`` (agreed by all ranks)."""
+        if failed:
+            msg = self.comm.bcast(str(self.metrics.error) if self.is_root else None, root=0)
+            raise OutputError(msg)
 
     # --- the loop --------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -410,8 +501,12 @@ class Trainer:
                 share, n_local = self.train_step(indices, epoch)
                 self.step += 1
                 stop = float(bool(self.should_stop()))
-                stats = torch.tensor([float(share), float(n_local), stop], dtype=torch.float64)
-                allreduce_(stats, self.comm)  # one collective: loss, voxels and stop agreement
+                stats = torch.tensor([float(share), float(n_local), stop,
+                                      float(self.metrics.failed)], dtype=torch.float64)
+                # One collective: loss, voxels, stop agreement, and whether rank 0 failed to write
+                # metrics.jsonl (then every rank raises its OutputError, here, together).
+                allreduce_(stats, self.comm)
+                self._check_outputs(bool(stats[3] > 0))
                 t1 = time.perf_counter()
                 last_train = {"kind": "train", "step": self.step, "epoch": epoch,
                               "loss": float(stats[0]), "lr": lr,
@@ -444,10 +539,9 @@ class Trainer:
                           "nothing to train")
             last_eval = self.evaluate()
             self.metrics.write(last_eval)
-        self.metrics.sync()
+        agree(self.comm, self.metrics.close)  # the last records reach the disk, or every rank hears
         summary = format_summary(last_train, last_eval, time.perf_counter() - t_start)
         self._say(summary)
-        self.metrics.close()
         return {"step": self.step, "stopped": stopped, "train": last_train, "eval": last_eval,
                 "summary": summary}
 

@@ -22,6 +22,9 @@ from typing import Any, Optional
 
 import torch
 
+from sparsepipe_hpc.train.output import (OutputError, as_output_error, atomic_write,
+                                           writing)
+
 __all__ = ["ConfusionMatrix", "MetricsLog", "read_metrics", "format_summary"]
 
 
@@ -84,26 +87,61 @@ class MetricsLog:
     """Appends one JSON object per line to ``path``; does nothing when not ``enabled`` (ranks > 0).
 
     Each line is flushed and fsync'ed at ``sync`` points, so a killed run leaves whole lines.
+
+    A failed write (full or read-only file system) does not raise where it happens, on rank 0 alone
+    while the other ranks go on into the next collective: the log keeps the
+    :class:`~sparsepipe_hpc.train.output.OutputError`, stops writing, and reports it through
+    ``failed``/``error`` (which the trainer agrees on across ranks at its next step) and by raising
+    it from :meth:`check`, :meth:`sync` and :meth:`close`.
     """
 
     def __init__(self, path: str | Path, enabled: bool = True):
         self.path = Path(path)
         self.enabled = enabled
         self._file = None
+        self.error: Optional[OutputError] = None
         if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
+            with writing(self.path, "metrics log"):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")
+
+    @property
+    def failed(self) -> bool:
+        """Whether a write has failed (see :attr:`error`)."""
+        return self.error is not None
+
+    def check(self) -> None:
+        """Raise the OutputError of the first failed write, if any."""
+        if self.error is not None:
+            raise self.error
+
+    def _fail(self, e: Exception) -> None:
+        if self.error is None:
+            self.error = as_output_error(e, self.path, "metrics log")
+        f, self._file = self._file, None
+        try:
+            if f is not None:
+                f.close()
+        except OSError:
+            pass  # the buffered bytes cannot be written either; the error above says why
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps(_clean(record)) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(_clean(record)) + "\n")
+            self._file.flush()
+        except OSError as e:
+            self._fail(e)
 
     def sync(self) -> None:
         if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            except OSError as e:
+                self._fail(e)
+        self.check()
 
     def truncate_after(self, step: int) -> int:
         """Drop records with ``step`` > ``step`` (written by a run that died after its last
@@ -122,16 +160,20 @@ class MetricsLog:
                 dropped += 1
             else:
                 keep.append(line)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a", encoding="utf-8")
+        text = "".join(line + "\n" for line in keep).encode("utf-8")
+        atomic_write(self.path, lambda f: f.write(text), "metrics log")
+        with writing(self.path, "metrics log"):
+            self._file = open(self.path, "a", encoding="utf-8")
         return dropped
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as e:
+                self._fail(e)
             self._file = None
+        self.check()
 
 
 def read_metrics(path: str | Path, kind: Optional[str] = None) -> list[dict[str, Any]]:

@@ -11,6 +11,8 @@ BatchNorm, has such directions) becomes a full +-lr step whose sign is the round
 
 from __future__ import annotations
 
+import errno
+import io
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from sparsepipe_hpc.train import checkpoint as ck
 from sparsepipe_hpc.train.config import parse_config
 from sparsepipe_hpc.train.loop import SetupError, Trainer
 from sparsepipe_hpc.train.metrics import read_metrics
+from sparsepipe_hpc.train.output import OutputError
 
 GLOBAL_BATCH = {"seg": 12, "cls": 12}  # divisible by 1, 2, 3 and 4 ranks
 
@@ -114,3 +117,66 @@ def test_setup_error_is_raised_on_every_rank(comm, shared, tmp_path):
     with pytest.raises(SetupError, match="not a readable checkpoint|no such checkpoint"):
         Trainer(config(shared, shared / f"err-{comm.size}", "seg", "--resume", path), comm,
                 log=None)
+
+
+def test_checkpoint_write_failure_on_rank_0_reaches_every_rank(comm, shared, monkeypatch):
+    """Rank 0 alone writes; a full disk there ("unexpected pos" inside torch.save) must end
+    every rank with the same clear error, not leave the others in a barrier."""
+    if GLOBAL_BATCH["seg"] % comm.size:
+        pytest.skip("batch does not split")
+    out = shared / f"full-{comm.size}"
+    trainer = Trainer(config(shared, out, "seg", "--steps", "2"), comm, log=None)
+    if comm.rank == 0:
+        real_save = torch.save
+
+        def disk_full(obj, f, *a, **k):
+            if isinstance(f, io.BytesIO):  # pickling tensors for MPI also goes through torch.save
+                return real_save(obj, f, *a, **k)
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+        monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(SetupError, match=rf"cannot write the checkpoint {out}/last.pt: "
+                                         r"RuntimeError: .*unexpected pos"):
+        trainer.run()
+
+
+def test_metrics_write_failure_on_rank_0_reaches_every_rank(comm, shared):
+    if GLOBAL_BATCH["seg"] % comm.size:
+        pytest.skip("batch does not split")
+    out = shared / f"metrics-full-{comm.size}"
+    trainer = Trainer(config(shared, out, "seg", "--steps", "6", "--checkpoint-every", "0"), comm,
+                      log=None)
+    if comm.rank == 0:
+        real = trainer.metrics._file
+
+        class FillsUp:
+            writes = 0
+
+            def write(self, text):
+                FillsUp.writes += 1
+                if FillsUp.writes > 1:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return real.write(text)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        trainer.metrics._file = FillsUp()
+    with pytest.raises(OutputError, match=r"cannot write the metrics log .*metrics.jsonl: "
+                                          r"OSError: \[Errno 28\]"):
+        trainer.run()
+    assert trainer.step == 3  # step 2's record failed on rank 0; step 3's all-reduce told all
+
+
+def test_corrupt_checkpoint_is_refused_on_every_rank(comm, shared):
+    if GLOBAL_BATCH["seg"] % comm.size:
+        pytest.skip("batch does not split")
+    out = shared / f"corrupt-{comm.size}"
+    Trainer(config(shared, out, "seg", "--steps", "1"), comm, log=None).run()
+    if comm.rank == 0:
+        data = bytearray((out / "last.pt").read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (out / "last.pt").write_bytes(data)
+    comm.Barrier()
+    with pytest.raises(SetupError, match=r"last.pt: the file does not match its manifest"):
+        Trainer(config(shared, out, "seg", "--steps", "2", "--resume", "auto"), comm, log=None)
