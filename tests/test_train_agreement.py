@@ -83,3 +83,25 @@ def test_agreeing_ranks_still_train(rooms, tmp_path):
     proc = mpmd([trainer_args(data, tmp_path / "out")] * 2, [tmp_path, tmp_path])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert (tmp_path / "out" / "last.pt").exists()
+
+
+def test_disk_full_at_a_checkpoint_mid_run_ends_every_rank_with_one_message(rooms, tmp_path):
+    """Rank 0's checkpoint write fails at step 1 (ENOSPC, as on a full disk):
+    every rank stops with one message and exit 2, not a traceback per rank or a hang."""
+    runner = tmp_path / "run.py"
+    runner.write_text(
+        "import errno, sys\n"
+        "from sparsepipe_hpc.train import checkpoint\n"
+        "def full(*a, **k):\n"
+        "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+        "checkpoint._save_to = full\n"
+        "from sparsepipe_hpc.train.__main__ import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    args = trainer_args(str(rooms / "a" / "scenes"), tmp_path / "out", "--checkpoint-every", "1")
+    args = [sys.executable, str(runner), *args[3:]]
+    proc = subprocess.run(mpirun_command(2) + args, env=mpi_env(), capture_output=True,
+                          text=True, timeout=HANG)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("sparsepipe_hpc.train: error: ") and "No space left" in first
+    assert "Traceback" not in proc.stderr

@@ -42,6 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from sparsepipe_hpc.train.checkpoint import CheckpointError
     from sparsepipe_hpc.train.config import ConfigError, parse_config, resolve_layout
     from sparsepipe_hpc.train.loop import SetupError, Trainer, agree, check_same
+    from sparsepipe_hpc.train.output import OutputError
 
     comm = MPI.COMM_WORLD
     user_errors = (ConfigError, LayoutError, SetupError, CheckpointError, DataFormatError,
@@ -61,7 +62,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if comm.Get_rank() == 0:
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
-    trainer.run()
+    try:
+        trainer.run()
+    except (SetupError, OutputError) as e:
+        # Raised on every rank together (a full or read-only disk at a checkpoint or metrics
+        # write is agreed before anyone goes on); any other exception aborts the job.
+        if comm.Get_rank() == 0:
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
