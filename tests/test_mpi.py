@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from launch.env import prefer_shared_memory
+
 HERE = Path(__file__).parent
 MPI_FILES = sorted(p.name for p in (HERE / "mpi").glob("test_*.py"))
 WORLD_SIZES = (1, 2, 3, 4)
@@ -27,9 +29,9 @@ def mpirun_command(n: int) -> list[str]:
 
 def mpi_env() -> dict[str, str]:
     env = dict(os.environ)
-    # One node: shared memory and self only (Open MPI's transport probing costs ~1 s per rank).
-    env.setdefault("OMPI_MCA_pml", "ob1")
-    env.setdefault("OMPI_MCA_btl", "self,sm")
+    # One node: shared memory and self only (Open MPI's transport probing costs ~1 s per rank),
+    # under the name this Open MPI gives its shared-memory transport; nothing for another MPI.
+    prefer_shared_memory(env)
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONHASHSEED"] = "0"
