@@ -7,6 +7,7 @@ per-test timeout inside the MPI run (pytest-timeout, thread method) and by the o
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,26 @@ def mpi_env() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONHASHSEED"] = "0"
     return env
+
+
+def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (typically ``mpirun ...``) and fail the test if it is still running after
+    ``timeout`` s: a hang. The hung job is ended first -- SIGTERM to ``mpirun``, which kills its
+    ranks, then SIGKILL to its process group -- so no rank is left spinning in a collective."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:6])} ... hung: still running after {timeout} s\n"
+                    f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
