@@ -169,6 +169,7 @@ class Trainer:
         agree(comm, lambda: self.out.mkdir(parents=True, exist_ok=True) if self.is_root else None)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", enabled=self.is_root)
         if resume is not None:
+            self._say_lost_steps(resume)
             self.metrics.truncate_after(self.step)
         self._write_config()
 
@@ -206,6 +207,17 @@ class Trainer:
             self._say(f"note: resuming a checkpoint written by {saved.get('replicas')} replica(s) "
                       f"x grid {saved.get('grid')} under {self.layout}: the loss continues to "
                       "float rounding, not bitwise")
+
+    def _say_lost_steps(self, resume: Path) -> None:
+        """Say which steps the previous run trained after its last checkpoint: it was killed
+        before it could save them (Open MPI's mpirun, for one, kills its ranks 0.5 s after its own
+        SIGTERM, too soon for them to checkpoint or even print), so they are trained again."""
+        reached = self.metrics.last_train_step()
+        if reached is not None and reached > self.step:
+            self._say(f"note: the previous run in {self.out} reached step {reached}, but "
+                      f"{resume} holds step {self.step}: steps {self.step + 1}-{reached} were "
+                      "lost (the run was killed before it could checkpoint them) and are trained "
+                      "again")
 
     def _write_config(self) -> None:
         info = {"options": self.cfg.to_dict(), "out": str(self.out), "data": str(self.data_dir),
