@@ -13,8 +13,8 @@ Open MPI's shared-memory transport (BTL) is called ``vader`` from 3.0 to 4.x and
 in ``OMPI_MCA_btl`` makes ``MPI_Init`` fail, so the name is read from the library's own version
 string. That string comes from ``MPI_Get_library_version``, which the MPI standard allows before
 ``MPI_Init``: the library is opened (as mpi4py itself would open it) but not initialized, so
-``OMPI_MCA_*`` variables set afterwards still apply. Anything unknown gives ``None``: the caller then
-leaves Open MPI's defaults alone.
+``OMPI_MCA_*`` variables set afterwards still apply. Anything unknown gives ``None``: the caller
+then leaves Open MPI's defaults alone.
 """
 
 from __future__ import annotations

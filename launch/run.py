@@ -15,9 +15,9 @@ Why: when one rank dies of an exception, the others wait forever in their next c
 job burns its allocation until the wall-clock limit. The hook prints the traceback with the rank on
 every line (``[rank 1] Traceback ...``), flushes, and calls ``MPI.COMM_WORLD.Abort(1)``, which ends
 every rank. A rank that exits with ``sys.exit(code != 0)`` under ``python -m launch run`` ends the
-job too (with ``code``), as in ``python -m mpi4py``, and says why: the message of ``sys.exit("...")``
-or the exception being handled when ``sys.exit`` was called. With one rank, or before MPI is
-initialized, the process exits with status 1 and the launcher (``mpirun``,
+job too (with ``code``), as in ``python -m mpi4py``, and says why: the message of
+``sys.exit("...")`` or the exception being handled when ``sys.exit`` was called. With one rank, or
+before MPI is initialized, the process exits with status 1 and the launcher (``mpirun``,
 ``srun --kill-on-bad-exit``) ends the rest.
 
 A rank that *finishes* (returns, or exits with status 0) while another still runs is fine when the
@@ -269,7 +269,8 @@ def exit_timeout(text: str | None = None) -> float | None:
     ``LAUNCH_EXIT_TIMEOUT`` variable, else 300; ``None`` (wait forever) for 0."""
     name = "--exit-timeout"
     if text is None:
-        text, name = os.environ.get(EXIT_TIMEOUT_VARIABLE, "").strip() or None, EXIT_TIMEOUT_VARIABLE
+        text = os.environ.get(EXIT_TIMEOUT_VARIABLE, "").strip() or None
+        name = EXIT_TIMEOUT_VARIABLE
     if text is None:
         return DEFAULT_EXIT_TIMEOUT_S
     try:
@@ -295,10 +296,11 @@ def _wait_for_all_at_exit(timeout: float | None) -> None:
     while not request.Test():
         waited = time.monotonic() - start
         if timeout is not None and waited > timeout:
-            _say(rank, f"finished {timeout:g} s ago, but not all {size} ranks have: the others are "
-                       f"presumably waiting for rank {rank} in a collective or a receive it skipped "
-                       f"(it returned early); aborting all {size} ranks. A rank that legitimately "
-                       f"works on alone needs a longer --exit-timeout (or {EXIT_TIMEOUT_VARIABLE})")
+            _say(rank, f"finished {timeout:g} s ago, but not all {size} ranks have: the others "
+                       f"are presumably waiting for rank {rank} in a collective or a receive it "
+                       f"skipped (it returned early); aborting all {size} ranks. A rank that "
+                       "legitimately works on alone needs a longer --exit-timeout (or "
+                       f"{EXIT_TIMEOUT_VARIABLE})")
             mpi.COMM_WORLD.Abort(1)
         if not noticed and waited > _NOTICE_AFTER_S:
             noticed = True

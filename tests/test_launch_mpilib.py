@@ -37,7 +37,8 @@ OPEN_MPI_2 = ("Open MPI v2.1.1, package: Open MPI buildd@lcy01 Distribution, ide
 MPICH = ("MPICH Version:      4.1.2\nMPICH Release date: Wed Jun  7 15:22:45 CDT 2023\n"
          "MPICH ABI:          15:1:3\nMPICH Device:       ch4:ofi\n")
 INTEL_MPI = "Intel(R) MPI Library 2021.10 for Linux* OS\n"
-MVAPICH = "MVAPICH2 Version      :\t2.3.7\nMVAPICH2 Release date :\tWed March 02 22:00:00 EST 2022\n"
+MVAPICH = ("MVAPICH2 Version      :\t2.3.7\n"
+           "MVAPICH2 Release date :\tWed March 02 22:00:00 EST 2022\n")
 CRAY_MPICH = "MPI VERSION    : CRAY MPICH version 8.1.25.17 (ANL base 3.4a2)\n"
 
 ONE_NODE = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",

@@ -1,8 +1,8 @@
 """launch.run: an exception on one rank ends the whole job promptly; SIGTERM runs the checkpoint.
 
 The MPI cases start real ``mpirun`` jobs (the command and environment of ``tests/test_mpi.py``);
-each is bounded by a timeout well below a hang, so a regression fails in seconds instead of
-stalling CI.
+each is bounded by a timeout (``run_bounded``) that ends a hung job and fails the test, so a
+regression cannot stall CI; nothing asserts how long a job took.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ except ImportError:  # pytest's importlib mode does not put tests/ on sys.path
     from test_mpi import mpi_env, mpirun_command, run_bounded
 
 REPO = Path(__file__).resolve().parent.parent
-ABORT_DEADLINE_S = 20.0
+HANG_S = 120  # a job still running after this long is hung (ending one takes a few seconds)
 
 
 def _env() -> dict[str, str]:
@@ -65,12 +65,8 @@ def test_exception_on_rank_1_of_4_ends_the_job(tmp_path):
         comm.Barrier()                   # ranks 0 and 3 wait for rank 1 forever
         print("survived", comm.rank)
         """)
-    start = time.monotonic()
-    proc = subprocess.run(mpirun_command(4) + _launch(str(script)), env=_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    elapsed = time.monotonic() - start
+    proc = run_bounded(mpirun_command(4) + _launch(str(script)), HANG_S, env=_env(), cwd=tmp_path)
     assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert elapsed < ABORT_DEADLINE_S, f"job took {elapsed:.1f} s to end"
     assert "[rank 1] Traceback (most recent call last):" in proc.stderr
     assert "[rank 1] RuntimeError: deliberate failure on rank 1" in proc.stderr
     assert f"[rank 1]   File \"{script}\"" in proc.stderr  # the runner's own frames are trimmed
@@ -87,11 +83,8 @@ def test_nonzero_exit_on_one_rank_ends_the_job(tmp_path):
             sys.exit(3)
         comm.Barrier()
         """)
-    start = time.monotonic()
-    proc = subprocess.run(mpirun_command(2) + _launch(str(script)), env=_env(), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_bounded(mpirun_command(2) + _launch(str(script)), HANG_S, env=_env(), cwd=tmp_path)
     assert proc.returncode != 0
-    assert time.monotonic() - start < ABORT_DEADLINE_S
     assert "[rank 1] exited with status 3" in proc.stderr
 
 
@@ -107,7 +100,7 @@ def test_nonzero_exit_prints_the_error_being_handled(tmp_path):
                 sys.exit(2)  # handled, but the job cannot go on
         comm.Barrier()
         """)
-    proc = run_bounded(mpirun_command(2) + _launch(str(script)), 60, env=_env(), cwd=tmp_path)
+    proc = run_bounded(mpirun_command(2) + _launch(str(script)), HANG_S, env=_env(), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert ("[rank 1] exited with status 2 (FileNotFoundError: [Errno 2] No such file or "
             "directory: '/nonexistent/run.toml'): aborting all 2 ranks") in proc.stderr
@@ -122,7 +115,7 @@ def test_exit_message_is_said_once_with_the_rank(tmp_path):
             sys.exit("cannot read scene 17")
         comm.Barrier()
         """)
-    proc = run_bounded(mpirun_command(2) + _launch(str(script)), 60, env=_env(), cwd=tmp_path)
+    proc = run_bounded(mpirun_command(2) + _launch(str(script)), HANG_S, env=_env(), cwd=tmp_path)
     assert proc.returncode == 1
     assert "[rank 0] exited with status 1 (cannot read scene 17): aborting all 2 ranks" in \
         proc.stderr
@@ -136,7 +129,7 @@ def test_trainer_option_bad_on_one_rank_only_is_printed(tmp_path):
               str(tmp_path / "out")]
     cmd = (mpirun_command(1) + _launch(*common, "--steps", "2") + [":", "-n", "1"]
            + _launch(*common, "--steps", "x"))
-    proc = run_bounded(cmd, 120, env=_env(), cwd=tmp_path)
+    proc = run_bounded(cmd, HANG_S, env=_env(), cwd=tmp_path)
     assert proc.returncode != 0
     assert "[rank 1] exited with status 2 (ConfigError: argument --steps: invalid positive int " \
            "value: 'x'" in proc.stderr, proc.stderr
@@ -158,7 +151,7 @@ _EARLY = """\
 def test_rank_that_finishes_early_ends_the_job(tmp_path, leave):
     script = _script(tmp_path, "early.py", _EARLY.format(leave=leave))
     cmd = mpirun_command(2) + _launch("--exit-timeout", "2", str(script))
-    proc = run_bounded(cmd, 60, env=_env(), cwd=tmp_path)
+    proc = run_bounded(cmd, HANG_S, env=_env(), cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert ("[rank 1] finished 2 s ago, but not all 2 ranks have: the others are presumably "
             "waiting for rank 1 in a collective or a receive it skipped") in proc.stderr
@@ -168,7 +161,7 @@ def test_rank_that_finishes_early_ends_the_job(tmp_path, leave):
 def test_exit_timeout_from_the_environment(tmp_path):
     script = _script(tmp_path, "early.py", _EARLY.format(leave="pass"))
     env = dict(_env(), LAUNCH_EXIT_TIMEOUT="1")
-    proc = run_bounded(mpirun_command(2) + _launch(str(script)), 60, env=env, cwd=tmp_path)
+    proc = run_bounded(mpirun_command(2) + _launch(str(script)), HANG_S, env=env, cwd=tmp_path)
     assert proc.returncode == 1
     assert "[rank 1] finished 1 s ago" in proc.stderr
 
@@ -189,7 +182,7 @@ def test_rank_that_finishes_later_is_waited_for(tmp_path):
         print("done", comm.rank, total, flush=True)
         """)
     cmd = mpirun_command(2) + _launch("--exit-timeout=60", str(script))
-    proc = run_bounded(cmd, 120, env=_env(), cwd=tmp_path)
+    proc = run_bounded(cmd, HANG_S, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.split("\n")[:2]) == ["done 0 1", "done 1 1"]
     assert "aborting" not in proc.stderr

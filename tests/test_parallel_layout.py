@@ -1,4 +1,4 @@
-"""RankLayout's errors speak in library terms; the trainer's in its own options (no --stages yet)."""
+"""RankLayout's errors speak in library terms; the trainer's in its own options (no --stages)."""
 
 from __future__ import annotations
 
