@@ -5,9 +5,17 @@
 Every rank builds the same room (the same seed), keeps the voxels of its box, and the U-Net's
 convolutions exchange halos with the neighbouring boxes. The loss each rank computes is its share
 of the global loss; after ``allreduce_gradients`` every rank holds the single-process gradient.
+
+An exception on one rank would leave the others waiting in their next collective for ever, so the
+script first installs ``abort_on_exception``: the traceback is printed with the rank and the whole
+job ends (``mpirun -n 4 python -m launch run examples/spatial_unet.py ...`` does the same).
 """
 
 import argparse
+
+from launch.run import abort_on_exception
+
+abort_on_exception()  # before anything can fail: an exception on any rank ends the whole job
 
 import numpy as np
 import torch

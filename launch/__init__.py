@@ -12,7 +12,8 @@ Usage::
     gpu = select_gpu(placement)                             # None without CUDA
 
 Modules: :mod:`launch.env` (who am I), :mod:`launch.device` (GPU binding), :mod:`launch.run` (safe
-start), :mod:`launch.info` (the per-rank summary), :mod:`launch.jobs` (job scripts from ``jobs/``).
+start), :mod:`launch.info` (the per-rank summary), :mod:`launch.jobs` (job scripts from ``jobs/``),
+:mod:`launch.mpilib` (which MPI library, asked before ``MPI_Init``).
 Importing the package imports neither MPI nor torch.
 """
 

@@ -366,13 +366,19 @@ def threads_per_rank(placement: Placement, override: int | None = None) -> int:
     return max(1, cores // placement.local_size)
 
 
-def prefer_shared_memory(environ: MutableMapping[str, str] | None = None) -> bool:
+def prefer_shared_memory(environ: MutableMapping[str, str] | None = None, *,
+                         library: str | None = None) -> bool:
     """On one node under Open MPI, use only its shared-memory and self transports.
 
     Open MPI probes every network transport at ``MPI_Init`` (~1 s per process on a machine without
-    a fast network); on one node ``pml=ob1, btl=self,sm`` is all it needs and starts in ~0.1 s.
-    Call before mpi4py initializes MPI. Does nothing, and returns False, when the job spans nodes,
-    the launcher is not Open MPI (nor a lone process), or the user set either variable.
+    a fast network); on one node ``pml=ob1`` with ``btl=self,sm`` (Open MPI 5) or ``self,vader``
+    (Open MPI 3.x and 4.x: the same transport under its old name) is all it needs and starts in
+    ~0.1 s. The name comes from the MPI library's version string (``library``; default: asked of
+    the library mpi4py loads, without initializing MPI, see :mod:`launch.mpilib`). Call before
+    mpi4py initializes MPI. Sets nothing, and returns False, when the job spans nodes, the launcher
+    is not Open MPI (nor a lone process), the user set either variable, or the library is not an
+    Open MPI whose transport name is known (another MPI, or a version string that cannot be read):
+    Open MPI's own defaults always work, only slower to start.
     """
     env = os.environ if environ is None else environ
     if "OMPI_MCA_pml" in env or "OMPI_MCA_btl" in env:
@@ -382,6 +388,11 @@ def prefer_shared_memory(environ: MutableMapping[str, str] | None = None) -> boo
         return False  # another launcher: leave its MPI alone
     if size is not None and size != local:
         return False
+    from launch.mpilib import library_version, shared_memory_btl
+
+    btl = shared_memory_btl(library_version() if library is None else library)
+    if btl is None:
+        return False
     env["OMPI_MCA_pml"] = "ob1"
-    env["OMPI_MCA_btl"] = "self,sm"
+    env["OMPI_MCA_btl"] = f"self,{btl}"
     return True

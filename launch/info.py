@@ -24,7 +24,7 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from launch.device import physical_gpu, select_gpu, visible_gpu_count
-from launch.env import Placement, detect, threads_per_rank
+from launch.env import Placement, detect, prefer_shared_memory, threads_per_rank
 
 __all__ = ["summary", "format_line", "problems", "compress_cpus", "main"]
 
@@ -108,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "Print one line per rank: rank, local rank, node, launcher, GPU, threads, CPU affinity."))
     parser.add_argument("--json", action="store_true", help="print one JSON object per rank")
     options = parser.parse_args(argv)
+    prefer_shared_memory()  # before MPI starts: on one node, skip probing network transports
     try:
         from mpi4py import MPI
     except ImportError:  # no MPI: this process is the whole world

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 
+from launch.env import prefer_shared_memory
 from sparsepipe_hpc.data import DataGenerationError, ModelNetDataset, SceneDataset, default
 from sparsepipe_hpc.data import default_data
 
@@ -161,7 +162,8 @@ def test_under_mpirun(tmp_path):
     cmd = ["mpirun", "-n", "2", "--oversubscribe"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    env = dict(os.environ, OMPI_MCA_pml="ob1", OMPI_MCA_btl="self,sm", OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    prefer_shared_memory(env)  # the shared-memory transport under this Open MPI's name for it
     proc = subprocess.run(cmd + [sys.executable, str(script), str(tmp_path / "cache"),
                                  str(blocked)], env=env, capture_output=True, text=True,
                           timeout=120)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from mpi4py import MPI
 
 import halo
+import halo.transport.delay as delay_module
 from halo.plan import HaloPlan
 from halo.transport.base import CompletedRequest
 
@@ -46,15 +45,42 @@ def test_mpi_transport_refuses_what_it_cannot_send():
         t.start([(0, torch.zeros(4, device="meta"))], [], 1)
 
 
-def test_delayed_transport_holds_requests_back():
+class FakeClock:
+    """Stands in for the ``time`` module inside halo.transport.delay: time moves only when the test
+    (or the transport's own ``sleep``) moves it, so nothing depends on how loaded the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_delayed_transport_holds_requests_back(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(delay_module, "time", clock)
     inner = halo.MPITransport(MPI.COMM_SELF)
     slow = halo.DelayedTransport(inner, 0.03)
     a, b = torch.ones(3), torch.zeros(3)
-    t0 = time.perf_counter()
     req = slow.start([(0, a)], [(0, b)], 2)
+    assert not req.test()  # whatever the message did, the delay has not passed
+    clock.now += 0.01      # 10 ms of work
     assert not req.test()
+    req.wait()             # sleeps the remaining 20 ms, no more
+    assert clock.slept == [pytest.approx(0.02)] and torch.equal(a, b)
+    # A caller that worked longer than the delay does not wait for it.
+    c, d = torch.full((3,), 2.0), torch.zeros(3)
+    req = slow.start([(0, c)], [(0, d)], 3)
+    clock.now += 0.05
+    while not req.test():  # only the real transfer is left
+        pass
     req.wait()
-    assert time.perf_counter() - t0 >= 0.03 and torch.equal(a, b)
+    assert clock.slept == [pytest.approx(0.02)] and torch.equal(c, d)
     with pytest.raises(ValueError, match="seconds is -1"):
         halo.DelayedTransport(inner, -1)
 

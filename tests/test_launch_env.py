@@ -291,21 +291,3 @@ def test_bad_thread_setting_is_named(monkeypatch, raw):
 
 def test_available_cores_is_the_affinity_mask():
     assert launch_env.available_cores() == len(os.sched_getaffinity(0))
-
-
-def test_prefer_shared_memory_only_on_one_open_mpi_node():
-    from launch.env import prefer_shared_memory
-
-    one_node = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
-                "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
-    env = dict(one_node)
-    assert prefer_shared_memory(env) and env["OMPI_MCA_btl"] == "self,sm"
-    two_nodes = dict(one_node, OMPI_COMM_WORLD_LOCAL_SIZE="2")
-    assert not prefer_shared_memory(two_nodes) and "OMPI_MCA_btl" not in two_nodes
-    user_set = dict(one_node, OMPI_MCA_btl="self,tcp")
-    assert not prefer_shared_memory(user_set) and user_set["OMPI_MCA_btl"] == "self,tcp"
-    lone = {}
-    assert prefer_shared_memory(lone)
-    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0",
-             "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "0"}
-    assert not prefer_shared_memory(slurm)

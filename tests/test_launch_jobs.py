@@ -87,8 +87,8 @@ def _check_common(script: str, spec: JobSpec) -> None:
     assert _trainer_tokens(script, spec.module) == list(spec.trainer_args)
     assert (("NCCL_DEBUG" in exports) == (not spec.cpu_only))
     local = spec.scheduler == "local"
-    assert (exports.get("OMPI_MCA_pml"), exports.get("OMPI_MCA_btl")) == (
-        ("ob1", "self,sm") if local else (None, None))
+    # The BTL's name depends on the Open MPI version: 'launch run' picks it; no script names it.
+    assert (exports.get("OMPI_MCA_pml"), exports.get("OMPI_MCA_btl")) == (None, None)
     if not local:
         cpus = str(spec.cpus_per_rank or 8)
         assert exports["OMP_NUM_THREADS"] == exports["SPARSEPIPE_THREADS"] == cpus

@@ -7,11 +7,15 @@ per-test timeout inside the MPI run (pytest-timeout, thread method) and by the o
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+
+from launch.env import prefer_shared_memory
 
 HERE = Path(__file__).parent
 MPI_FILES = sorted(p.name for p in (HERE / "mpi").glob("test_*.py"))
@@ -27,13 +31,33 @@ def mpirun_command(n: int) -> list[str]:
 
 def mpi_env() -> dict[str, str]:
     env = dict(os.environ)
-    # One node: shared memory and self only (Open MPI's transport probing costs ~1 s per rank).
-    env.setdefault("OMPI_MCA_pml", "ob1")
-    env.setdefault("OMPI_MCA_btl", "self,sm")
+    # One node: shared memory and self only (Open MPI's transport probing costs ~1 s per rank),
+    # under the name this Open MPI gives its shared-memory transport; nothing for another MPI.
+    prefer_shared_memory(env)
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONHASHSEED"] = "0"
     return env
+
+
+def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (typically ``mpirun ...``) and fail the test if it is still running after
+    ``timeout`` s: a hang. The hung job is ended first -- SIGTERM to ``mpirun``, which kills its
+    ranks, then SIGKILL to its process group -- so no rank is left spinning in a collective."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:6])} ... hung: still running after {timeout} s\n"
+                    f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -48,3 +72,84 @@ def test_under_mpirun(name: str, n: int) -> None:
     if proc.returncode not in (0, 5):  # 5: nothing collected at this size
         pytest.fail(f"{' '.join(cmd[:4])} {name} exited {proc.returncode}\n"
                     f"--- stdout ---\n{proc.stdout[-20000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The harness itself (tests/mpi/conftest.py): one rank's failure fails fast on every rank
+
+
+_HARNESS_CASES = {
+    # A fixture fails on rank 0 before the bcast that rank 1 is already waiting in.
+    "setup_before_collective": ("""\
+        @pytest.fixture
+        def shared(comm):
+            data = None
+            if comm.rank == 0:
+                raise OSError("cannot make the shared data (injected)")
+            return comm.bcast(data, root=0)
+
+        def test_uses_shared(shared):
+            assert shared is None
+        """, "test_uses_shared: setup failed on this rank"),
+    # The test body fails on rank 0 while rank 1 goes on into a collective.
+    "call_before_collective": ("""\
+        def test_fails_on_rank_0(comm):
+            assert comm.rank != 0, "injected failure on rank 0"
+            comm.allreduce(1)
+        """, "test_fails_on_rank_0: call failed on this rank"),
+    # A fixture's teardown fails on rank 0 before the barrier rank 1 waits in.
+    "teardown_before_collective": ("""\
+        @pytest.fixture
+        def resource(comm):
+            yield
+            if comm.rank == 0:
+                raise OSError("cleanup failed (injected)")
+            comm.Barrier()
+
+        def test_with_resource(resource):
+            pass
+        """, "test_with_resource: teardown failed on this rank"),
+}
+
+
+def _harness_run(tmp_path: Path, body: str, *extra: str) -> subprocess.CompletedProcess:
+    (tmp_path / "conftest.py").write_text((HERE / "mpi" / "conftest.py").read_text())
+    (tmp_path / "test_generated.py").write_text("import pytest\n\n" + textwrap.dedent(body))
+    env = dict(mpi_env(), MPI_TEST_AGREE_TIMEOUT="3")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    cmd = mpirun_command(2) + [sys.executable, "-m", "pytest", str(tmp_path / "test_generated.py"),
+                               "-q", "-p", "no:cacheprovider", "--timeout=300", "--color=no",
+                               "--timeout-method=thread", "-o", "addopts=", "-x", *extra]
+    return run_bounded(cmd, 120, env=env, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("case", sorted(_HARNESS_CASES))
+def test_failure_on_one_rank_before_a_collective_fails_fast(tmp_path, case):
+    body, message = _HARNESS_CASES[case]
+    proc = _harness_run(tmp_path, body)
+    assert proc.returncode not in (0, 5), proc.stdout + proc.stderr
+    assert f"[rank 0] test_generated.py::{message}, and the other ranks did not finish" \
+        in proc.stderr, proc.stdout + proc.stderr
+    assert "injected" in proc.stderr  # rank 0's own failure is printed before the abort
+
+
+def test_fixture_failing_on_one_rank_fails_the_test_on_every_rank(tmp_path):
+    body = """\
+        @pytest.fixture
+        def only_rank_1_fails(comm):
+            if comm.rank == 1:
+                raise ValueError("bad fixture on rank 1 (injected)")
+
+        def test_collective(only_rank_1_fails, comm):
+            comm.Barrier()
+
+        def test_next(comm):
+            comm.Barrier()
+        """
+    proc = _harness_run(tmp_path, body, "-rA")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("ERROR ")]
+    assert len(summary) == 2, proc.stdout  # one per rank: both report the setup error
+    assert "setup failed on 1 other rank(s)" in proc.stdout
+    assert "bad fixture on rank 1 (injected)" in proc.stdout
+    assert "aborting" not in proc.stderr and "PASSED" not in proc.stdout

@@ -8,9 +8,9 @@ set -euo pipefail
 PYTHON=${PYTHON:-python}
 NRANKS=${NRANKS:-{{ntasks}}}
 
-# One machine: Open MPI talks over shared memory only and skips probing the network at start-up.
-export OMPI_MCA_pml=ob1
-export OMPI_MCA_btl=self,sm
+# One machine: 'launch info' and 'launch run' make Open MPI talk over shared memory only and skip
+# probing the network at start-up (OMPI_MCA_pml=ob1, OMPI_MCA_btl=self,sm on Open MPI 5 and
+# self,vader on 3.x/4.x, chosen from the library's version; export them yourself to override).
 
 # Threads per rank: {{cpus_per_rank}} ('auto': this machine's cores / ranks, at least 1).
 THREADS={{cpus_per_rank}}

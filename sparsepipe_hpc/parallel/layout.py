@@ -67,10 +67,14 @@ class RankLayout:
         per_replica = stages * math.prod(g)
         if replicas is None:
             if world_size % per_replica:
+                # Library terms only: each front end (the trainer's options, a user's script)
+                # names its own way of changing the grid.
+                what = f"grid {g}" if stages == 1 else f"grid {g} x {stages} stages"
+                knobs = "a grid" if stages == 1 else "a grid and a stage count"
                 raise LayoutError(
-                    f"grid {g} x {stages} stage(s) uses {per_replica} ranks per replica, which does "
-                    f"not divide the {world_size} ranks of the job; pass --grid/--stages whose "
-                    f"product divides {world_size}")
+                    f"{what} uses {per_replica} ranks per replica, which does not divide the "
+                    f"{world_size} ranks of the job; choose {knobs} whose product divides "
+                    f"{world_size}, or start a multiple of {per_replica} ranks")
             replicas = world_size // per_replica
         layout = cls(replicas, stages, g)  # type: ignore[arg-type]
         if layout.size != world_size:

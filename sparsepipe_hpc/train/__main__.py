@@ -5,11 +5,12 @@
     mpirun -n 4 python -m sparsepipe_hpc.train --grid 2,1,1       # 2 replicas x 2 spatial ranks
     mpirun -n 2 python -m sparsepipe_hpc.train --config run.toml --resume auto --out runs/a
 
-Exit status: 0 after training or after a SIGTERM-triggered checkpoint, 2 for bad input (the message
-is printed once, by rank 0; every rank exits), 1 with an MPI abort of all ranks for any other
-exception on any rank. Ranks agree before training starts: on whether the options parsed, on the
-resolved options themselves and on a fingerprint of the data (a rank with another config file,
---lr or data copy is an error naming the values, not a hang or a silently different run).
+Exit status: 0 after training or after a checkpoint asked for by SIGTERM or SIGUSR1, 2 for bad
+input (the message is printed once, by rank 0; every rank exits), 1 with an MPI abort of all ranks
+for any other exception on any rank. Ranks agree before training starts: on whether the options
+parsed, on the resolved options themselves and on a fingerprint of the data (a rank with another
+config file, --lr or data copy is an error naming the values, not a hang or a silently different
+run).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ PROG = "sparsepipe_hpc.train"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Parse options, build the trainer on every rank, train; returns the exit status."""
+    """Parse options, build the trainer on every rank, train; returns 0 (raises SystemExit(2) for
+    bad input)."""
     # For OpenMP code that reads it later (torch's own pool is sized below by --threads).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from launch.env import prefer_shared_memory
@@ -61,7 +63,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # failures): say it once, and let every rank leave.
         if comm.Get_rank() == 0:
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        # Raised inside the handler, so that `python -m launch run` can print the error of a
+        # rank that failed alone (the message above comes from rank 0 only).
+        raise SystemExit(2) from e
     try:
         trainer.run()
     except (SetupError, OutputError) as e:
@@ -69,7 +73,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # write is agreed before anyone goes on); any other exception aborts the job.
         if comm.Get_rank() == 0:
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        raise SystemExit(2) from e
     return 0
 
 

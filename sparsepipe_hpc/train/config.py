@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence
@@ -300,6 +301,13 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
 
 def resolve_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     """The rank layout for ``world_size`` ranks, checking that the global batch splits evenly."""
+    grid = cfg.grid or (1, 1, 1)
+    if cfg.replicas is None and world_size % math.prod(grid):
+        # Said in the trainer's options (the layout's own message is in library terms).
+        raise ConfigError(f"--grid {','.join(map(str, grid))} uses {math.prod(grid)} ranks per "
+                          f"replica, which does not divide the {world_size} ranks of the job; "
+                          f"pass a --grid whose product divides {world_size}, or start a "
+                          f"multiple of {math.prod(grid)} ranks")
     try:
         layout = RankLayout.from_world(world_size, cfg.grid, cfg.replicas)
     except LayoutError as e:

@@ -291,6 +291,7 @@ class Trainer:
                       + ", ".join(p.name for p, _ in removed))
         metrics = MetricsLog(self.out / "metrics.jsonl", enabled=True)
         if self.resumed_from is not None:
+            self._say_lost_steps(self.resumed_from, metrics)
             metrics.truncate_after(self.step)
         self._write_config()
         return metrics
@@ -348,6 +349,17 @@ class Trainer:
                       f"over {old_fn.get('total', '?')} steps (warm-up {old_fn.get('warmup', '?')},"
                       f" peak lr {old_lr if old_lr is None else f'{old_lr:g}'}); step "
                       f"{self.step + 1} runs at lr {groups[0]['lr']:.4g}")
+
+    def _say_lost_steps(self, resume: Path, metrics: MetricsLog) -> None:
+        """Say which steps the previous run trained after its last checkpoint: it was killed
+        before it could save them (Open MPI's mpirun, for one, kills its ranks 0.5 s after its own
+        SIGTERM, too soon for them to checkpoint or even print), so they are trained again."""
+        reached = metrics.last_train_step()
+        if reached is not None and reached > self.step:
+            self._say(f"note: the previous run in {self.out} reached step {reached}, but "
+                      f"{resume} holds step {self.step}: steps {self.step + 1}-{reached} were "
+                      "lost (the run was killed before it could checkpoint them) and are trained "
+                      "again")
 
     def _write_config(self) -> None:
         info = {"options": self.cfg.to_dict(), "out": str(self.out), "data": str(self.data_dir),

@@ -143,6 +143,22 @@ class MetricsLog:
                 self._fail(e)
         self.check()
 
+    def last_train_step(self) -> Optional[int]:
+        """The highest ``step`` of the train records in the file (None: none, or not rank 0);
+        a line cut short by a crash is skipped."""
+        if self._file is None or not self.path.exists():
+            return None
+        self._file.flush()
+        steps = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and rec.get("kind") == "train":
+                steps.append(int(rec.get("step", 0)))
+        return max(steps, default=None)
+
     def truncate_after(self, step: int) -> int:
         """Drop records with ``step`` > ``step`` (written by a run that died after its last
         checkpoint, and about to be written again by the resumed run). Returns how many."""

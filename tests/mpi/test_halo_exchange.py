@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
 
 import halo
+import halo.transport.delay as delay_module
 from halo.kmap import coord_keys
 from halo.synth import boundary_cloud, clustered_cloud, with_batch
 
@@ -111,22 +110,37 @@ def test_overlapping_exchanges_and_buffer_reuse(comm, rng, dims):
     assert ex.start(a, out=out).wait() is out and torch.equal(out, want)
 
 
-def test_delayed_transport_overlap(comm, rng):
+class FakeClock:
+    """Stands in for the ``time`` module inside halo.transport.delay (see the serial suite)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_delayed_transport_overlap(comm, rng, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(delay_module, "time", clock)
     grid, cloud, mine, plan = setup(comm, rng, (comm.size, 1, 1))
     slow = halo.DelayedTransport(halo.MPITransport(grid.comm), seconds=0.05)
     ex = halo.HaloExchange(plan, slow)
-    t0 = time.perf_counter()
     pending = ex.start(field(mine, 2))
-    assert not pending.test()  # still "on the wire"
-    got = pending.wait()
-    assert time.perf_counter() - t0 >= 0.05
+    assert not pending.test()  # still "on the wire": the delay has not passed
+    got = pending.wait()       # waits out the whole delay
+    assert sum(clock.slept) == pytest.approx(0.05)
     assert torch.equal(got, field(plan.halo_coords, 2))
-    t0 = time.perf_counter()
     pending = ex.start(field(mine, 2))
-    time.sleep(0.06)  # work longer than the delay: the wait then costs (almost) nothing
-    t1 = time.perf_counter()
-    pending.wait()
-    assert time.perf_counter() - t1 < 0.04
+    clock.now += 0.06          # work longer than the delay: the wait then adds nothing
+    got = pending.wait()
+    assert sum(clock.slept) == pytest.approx(0.05)
+    assert torch.equal(got, field(plan.halo_coords, 2))
 
 
 def test_shape_errors(comm, rng):
