@@ -7,7 +7,8 @@
     result = Trainer(parse_config(["--steps", "20"]), MPI.COMM_WORLD).run()
 
 Modules: ``config`` (options, TOML, task defaults, layout checks), ``loop`` (Trainer: data shard,
-loss shares, gradient all-reduce, evaluation, SIGTERM stop), ``checkpoint`` (atomic save with a
+loss shares, gradient all-reduce, evaluation, SIGTERM stop), ``agreement`` (ranks agree on
+failures, options and data before they train), ``checkpoint`` (atomic save with a
 checksummed manifest, verified load, RNG states), ``output`` (atomic writes, OutputError for a full
 or read-only ``--out``, stale temporary files), ``metrics`` (confusion matrix, IoU,
 ``metrics.jsonl``), ``__main__`` (entry point).
@@ -19,7 +20,8 @@ A run directory holds ``config.json`` (resolved options, layout, versions), ``me
 
 from sparsepipe_hpc.train.checkpoint import CheckpointError
 from sparsepipe_hpc.train.config import ConfigError, TrainConfig, parse_config
-from sparsepipe_hpc.train.loop import SetupError, Trainer
+from sparsepipe_hpc.train.agreement import SetupError
+from sparsepipe_hpc.train.loop import Trainer
 from sparsepipe_hpc.train.output import OutputError
 
 __all__ = ["Trainer", "TrainConfig", "parse_config", "ConfigError", "CheckpointError",

@@ -43,7 +43,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from sparsepipe_hpc.parallel.layout import LayoutError
     from sparsepipe_hpc.train.checkpoint import CheckpointError
     from sparsepipe_hpc.train.config import ConfigError, parse_config, resolve_layout
-    from sparsepipe_hpc.train.loop import SetupError, Trainer, agree, check_same
+    from sparsepipe_hpc.train.agreement import SetupError, agree, check_same
+    from sparsepipe_hpc.train.loop import Trainer
     from sparsepipe_hpc.train.output import OutputError
 
     comm = MPI.COMM_WORLD

@@ -1,0 +1,110 @@
+"""Ranks that must agree before they train: one failure or one difference stops every rank.
+
+    cfg = agree(comm, lambda: parse_config(argv))     # SetupError on all ranks if any rank failed
+    check_same(comm, "configuration", cfg.to_dict())   # SetupError naming the values that differ
+    check_same(comm, "data", {"train": data_fingerprint(train_set)})
+    check_grid_fits(grid, shape, stride, cfg)          # pure: the same verdict on every rank
+
+Why: a rank that fails or differs alone leaves the others waiting in the next collective (a hang),
+or crashes them there (``MPI_ERR_TRUNCATE``), or trains a silently different run. Each check
+here is one small collective (or none), placed before the collective phase it protects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from sparsepipe_hpc.train.config import TrainConfig
+
+__all__ = ["SetupError", "agree", "check_same", "data_fingerprint", "check_grid_fits"]
+
+
+class SetupError(ValueError):
+    """Building the trainer failed on some rank; raised on every rank with that rank's message."""
+
+
+def agree(comm: Any, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank; if it raised on any rank, raise on all of them, so no rank is
+    left waiting in the next collective. **Collective.**
+
+    A ValueError or OSError (bad input, an unreadable file) becomes :class:`SetupError` on every
+    rank, naming the rank it came from. Any other exception is a bug: the rank that raised it
+    re-raises it with its traceback (the trainer's excepthook then aborts the job), the others
+    raise SetupError naming it.
+    """
+    error: Optional[str] = None
+    value = None
+    caught: Optional[Exception] = None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        caught = e
+        error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    errors = comm.allgather(error)
+    failed = [(r, m) for r, m in enumerate(errors) if m is not None]
+    if failed:
+        if caught is not None and not isinstance(caught, (ValueError, OSError)):
+            raise caught
+        rank, msg = failed[0]
+        where = f" (rank {rank} of {len(errors)})" if len(errors) > 1 and rank != 0 else ""
+        raise SetupError(f"{msg}{where}")
+    return value
+
+
+def check_same(comm: Any, what: str, value: dict[str, Any]) -> None:
+    """Raise SetupError on every rank unless all ranks pass an equal ``value``. **Collective.**
+
+    One allgather of a hash; only when they differ are the values gathered, to name the keys that
+    differ (``the ranks disagree on the configuration: lr: rank 0 0.003, rank 1 0.01``).
+    """
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+    if len(set(comm.allgather(digest))) == 1:
+        return
+    values = comm.allgather(value)
+    first = values[0]
+    for rank, v in enumerate(values):
+        keys = sorted(k for k in set(v) | set(first) if v.get(k) != first.get(k))
+        if keys:
+            shown = "; ".join(f"{k}: rank 0 {first.get(k)!r}, rank {rank} {v.get(k)!r}"
+                              for k in keys[:4])
+            more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+            raise SetupError(f"the ranks disagree on the {what} ({shown}{more}); every rank must "
+                             f"get the same command line, config file and data")
+
+
+def data_fingerprint(dataset: Any) -> dict[str, Any]:
+    """What identifies a data split without reading its points: sample count, classes, channels,
+    file names and sizes, and each sample's point count."""
+    paths = getattr(dataset, "files", None) or [dataset.path]
+    per_sample = getattr(dataset, "sizes", None)
+    if per_sample is None:
+        per_sample = getattr(dataset, "counts", np.zeros(0))
+    return {"samples": len(dataset), "class_names": list(dataset.class_names),
+            "in_channels": int(dataset.in_channels),
+            "files": [[Path(p).name, os.path.getsize(p)] for p in paths],
+            "points": hashlib.sha256(np.asarray(per_sample, np.int64).tobytes()).hexdigest()}
+
+
+def check_grid_fits(grid: Sequence[int], shape: Sequence[int], stride: int,
+                    cfg: TrainConfig) -> None:
+    """SetupError unless every box of ``grid`` can hold one block of ``stride`` voxels (cuts align
+    to the model's total stride, so a box is at least one block wide; pure, same on every rank).
+
+    shape: the voxel grid's spatial shape at level 0, a multiple of ``stride`` on every axis.
+    """
+    for axis, (ranks, voxels) in enumerate(zip(grid, shape)):
+        blocks = voxels // stride
+        if ranks > blocks:
+            name = "xyz"[axis]
+            raise SetupError(
+                f"--grid {','.join(map(str, grid))} cuts {name} into {ranks} boxes, but the data "
+                f"spans {voxels} voxels along {name} at --voxel-size {cfg.voxel_size} m: {blocks} "
+                f"block(s) of the model's total stride {stride} (--depth {cfg.depth}), and every "
+                f"box needs at least one; use at most {blocks} rank(s) along {name} in --grid, a "
+                f"smaller --voxel-size or a smaller --depth")
