@@ -66,7 +66,7 @@ def check_same(comm: Any, what: str, value: dict[str, Any]) -> None:
     digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
     if len(set(comm.allgather(digest))) == 1:
         return
-    values = comm.allgather(value)
+    values = [_flat(v) for v in comm.allgather(value)]
     first = values[0]
     for rank, v in enumerate(values):
         keys = sorted(k for k in set(v) | set(first) if v.get(k) != first.get(k))
@@ -76,6 +76,17 @@ def check_same(comm: Any, what: str, value: dict[str, Any]) -> None:
             more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
             raise SetupError(f"the ranks disagree on the {what} ({shown}{more}); every rank must "
                              f"get the same command line, config file and data")
+
+
+def _flat(value: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"samples": 4}} -> {"train.samples": 4}, so a message names the leaf that differs."""
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def data_fingerprint(dataset: Any) -> dict[str, Any]:
@@ -88,7 +99,7 @@ def data_fingerprint(dataset: Any) -> dict[str, Any]:
     return {"samples": len(dataset), "class_names": list(dataset.class_names),
             "in_channels": int(dataset.in_channels),
             "files": [[Path(p).name, os.path.getsize(p)] for p in paths],
-            "points": hashlib.sha256(np.asarray(per_sample, np.int64).tobytes()).hexdigest()}
+            "points": hashlib.sha256(np.asarray(per_sample, np.int64).tobytes()).hexdigest()[:16]}
 
 
 def check_grid_fits(grid: Sequence[int], shape: Sequence[int], stride: int,
