@@ -108,4 +108,8 @@ class SparseTensor:
             c = torch.as_tensor(s.coords, dtype=torch.int32)
             coords.append(torch.cat([torch.full((len(c), 1), b, dtype=torch.int32), c], 1))
             feats.append(torch.as_tensor(s.feats, dtype=dtype))
-        return cls(torch.cat(coords), torch.cat(feats), tuple(spatial_shape), len(samples))
+        shape = tuple(int(n) for n in spatial_shape)
+        if len(shape) != 3:
+            raise SparseTensorError(f"spatial_shape {spatial_shape} needs 3 sizes (x, y, z)")
+        return cls(torch.cat(coords), torch.cat(feats), (shape[0], shape[1], shape[2]),
+                   len(samples))

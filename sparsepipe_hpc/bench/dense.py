@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,6 +104,8 @@ def _child(kind: str, n: int, width: int) -> dict:
 
     x = SparseTensor(xyz.int(), torch.rand(len(xyz), 3), (n, n, n), 1)
     torch.manual_seed(0)
+    net: torch.nn.Module
+    inp: Any
     if kind == "sparse":
         net = SparseUNet(3, 8, width=width, depth=3)
         inp = x

@@ -10,6 +10,7 @@ are first checked to give the same result, so the faster one is also a correct o
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 
@@ -30,7 +31,8 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     x = synthetic_room(args.voxel_size, points=args.points)
     print(f"room: {x.num_voxels} voxels, grid {x.spatial_shape}")
-    result = {"voxels": x.num_voxels, "env": environment(), "layer": {}, "unet": {}}
+    result: dict[str, Any] = {"voxels": x.num_voxels, "env": environment(), "layer": {},
+                              "unet": {}}
 
     km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
     c = args.width * 2

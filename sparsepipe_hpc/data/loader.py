@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence, cast
 
 import numpy as np
 import torch
@@ -149,7 +149,7 @@ def grid_for(dataset: _HasBounds | Sequence[_HasBounds], voxel_size: float, mult
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1; got {multiple}")
     margin = augment_margin() if margin is None else margin
-    sets = list(dataset) if isinstance(dataset, (list, tuple)) else [dataset]
+    sets: list[Any] = list(dataset) if isinstance(dataset, (list, tuple)) else [dataset]
     lo = np.min([np.asarray(d.bounds()[0], dtype=np.float64) for d in sets], axis=0) - margin
     hi = np.max([np.asarray(d.bounds()[1], dtype=np.float64) for d in sets], axis=0) + margin
     first, padded = _grid(lo, hi, voxel_size, multiple)
@@ -214,7 +214,8 @@ def collate(samples: Sequence[Sample], voxel_size: float, origin: Sequence[float
                          f"{len(samples)} samples; pass one per sample or a single one")
     seg = samples[0].labels is not None
     channels = samples[0].feats.shape[1]
-    voxels, point_labels = [], []
+    voxels = []
+    point_labels: list[torch.Tensor] = []
     for k, s in enumerate(samples):
         if (s.labels is not None) != seg:
             kinds = ("classification", "segmentation") if seg else ("segmentation",
@@ -228,19 +229,20 @@ def collate(samples: Sequence[Sample], voxel_size: float, origin: Sequence[float
             raise ValueError(f"collate: sample {s.name!r} has neither labels nor label")
         pts = torch.as_tensor(np.asarray(s.points), dtype=torch.float64)
         if augment:
-            g = generator[k] if per_sample else generator  # type: ignore[index]
+            g = cast(Optional[torch.Generator],
+                     generator[k] if per_sample else generator)  # type: ignore[index]
             pts = augment_points(pts, origin, spatial_shape, voxel_size, g, jitter)
         labels = torch.as_tensor(np.asarray(s.labels), dtype=torch.int64) if seg else None
         voxels.append(voxelize(pts, s.feats, voxel_size, origin, spatial_shape, labels=labels,
                                clip=clip, name=f"sample {s.name!r}"))
-        if seg:
+        if labels is not None:  # seg
             point_labels.append(labels)
     x = SparseTensor.from_voxels(voxels, spatial_shape)
     counts = torch.tensor([len(v.coords) for v in voxels], dtype=torch.int64)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
     if seg:
-        labels_out = torch.cat([v.labels for v in voxels])
-    else:
-        labels_out = torch.tensor([int(s.label) for s in samples], dtype=torch.int64)
+        labels_out = torch.cat([cast(torch.Tensor, v.labels) for v in voxels])
+    else:  # every sample's label was checked above
+        labels_out = torch.tensor([int(cast(int, s.label)) for s in samples], dtype=torch.int64)
     return Batch(x, labels_out, [v.point_to_voxel for v in voxels], offsets, point_labels,
                  [s.name for s in samples])

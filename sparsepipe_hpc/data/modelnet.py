@@ -93,12 +93,14 @@ class ModelNetDataset:
         self.split = split
         self._handles: dict[Path, h5py.File] = {}
         self._pid = -1
-        counts, points, file_names = [], [], None
+        counts: list[int] = []
+        points: list[int] = []
+        file_names = None
         for path in files:
             with open_h5(path) as f:
-                s, p = self._check_structure(path, f)
-                counts.append(s)
-                points.append(p)
+                n_samples, n_points = self._check_structure(path, f)
+                counts.append(n_samples)
+                points.append(n_points)
                 if "class_names" in f.attrs:
                     names = read_str_list(path, f, "class_names")
                     if file_names is not None and names != file_names:

@@ -179,7 +179,8 @@ def make_room(rng: np.random.Generator, size: Sequence[float] = (4.0, 4.0, 2.5),
                 base = bases[int(rng.integers(len(bases)))]
                 obj = _Placed(kind, {"w": base.p["sx"] * rng.uniform(0.8, 1.3),
                                      "l": base.p["sy"] * rng.uniform(0.8, 1.3), "tilt": 0.0},
-                              base.yaw, *base.pos[:2], base.height + 0.002)
+                              base.yaw, float(base.pos[0]), float(base.pos[1]),
+                              base.height + 0.002)
                 base.carries = base.shelved = True
                 placed.append(obj)
                 continue

@@ -77,6 +77,7 @@ class SpconvEngine(Engine):
                 out = y if out is None else out.add_(y)
                 if progress is not None:
                     progress()
+        assert out is not None  # num_pairs > 0: at least one part ran
         return out
 
     def backward(self, feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
@@ -98,9 +99,10 @@ class SpconvEngine(Engine):
                 g_w = gw if g_w is None else g_w.add_(gw)
                 if progress is not None:
                     progress()
+        assert g_in is not None and g_w is not None  # num_pairs > 0: at least one part ran
         if not need_input_grad:
-            g_in = None
-        elif grad_in is not None:
+            return None, g_w.view_as(weight)
+        if grad_in is not None:
             g_in = grad_in.add_(g_in)
         return g_in, g_w.view_as(weight)
 

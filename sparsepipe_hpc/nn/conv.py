@@ -115,6 +115,10 @@ class _SparseConvBase(nn.Module):
             y = spatial.conv(self, x, engine)
         else:
             entry = self.entry(x)
+            if entry.kmap is None:
+                raise ConvError(f"kernel map {self.indice_key or self.cache_key(x)!r} was built by "
+                                f"a spatially distributed layer, but this tensor has no spatial "
+                                f"context; run the whole network on tensors from one source")
             kmap = entry.kmap.transpose() if self.transposed else entry.kmap
             feats = sparse_conv(x.feats, self.weight_matrix(), kmap, engine)
             y = self.output_tensor(x, entry, feats)

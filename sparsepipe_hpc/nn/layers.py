@@ -10,6 +10,8 @@ GlobalPool over its ``spatial_comm``, so the result does not depend on where the
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -20,14 +22,22 @@ __all__ = ["BatchNorm", "ReLU", "Linear", "GlobalPool"]
 
 
 class BatchNorm(nn.BatchNorm1d):
-    """BatchNorm over voxels, synchronized over the tensor's context (torch.nn.BatchNorm1d state)."""
+    """BatchNorm over voxels, synchronized over the tensor's context (torch.nn.BatchNorm1d state).
+
+    Always affine, with running statistics updated by ``momentum`` (the synchronized form has no
+    other modes, so the constructor offers none).
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__(num_features, eps, momentum)
 
     def forward(self, x: SparseTensor) -> SparseTensor:  # type: ignore[override]
         comm = x.context.stats_comm if x.context is not None else None
-        feats = batch_norm(x.feats, self.weight, self.bias, self.running_mean, self.running_var,
-                           self.training, self.momentum, self.eps, comm)
+        feats = batch_norm(x.feats, self.weight, self.bias, cast(torch.Tensor, self.running_mean),
+                           cast(torch.Tensor, self.running_var), self.training,
+                           cast(float, self.momentum), self.eps, comm)
         if self.training:
-            self.num_batches_tracked += 1
+            cast(torch.Tensor, self.num_batches_tracked).add_(1)
         return x.replace(feats=feats)
 
 

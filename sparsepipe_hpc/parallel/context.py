@@ -86,7 +86,7 @@ class ParallelContext:
 
     # --- data ------------------------------------------------------------------------------------
     def distribute(self, x: SparseTensor, *payloads: torch.Tensor, align: int = 1,
-                   cuts: Optional[Cuts] = None) -> tuple[SparseTensor, ...]:
+                   cuts: Optional[Cuts] = None) -> tuple[Any, ...]:
         """This rank's part of a batch every spatial rank of the replica holds in full.
 
         Returns the local tensor (context attached) and each per-voxel payload [N, ...] (labels)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import torch
 
@@ -121,18 +121,17 @@ class SpatialDomain:
     def conv(self, layer: Any, x: SparseTensor, engine: Engine) -> SparseTensor:
         if layer.transposed:
             entry = inverse_entry(layer, x)
-            maps: DistMaps = entry.extra
+            maps = cast(DistMaps, entry.extra)
             feats = _DistConv.apply(x.feats, layer.weight_matrix(), maps, engine,
                                     self.group.overlap, True)
             return layer.output_tensor(x, entry, feats)
         key = layer.cache_key(x)
-        entry = x.kmaps.get(key)
-        if entry is None:
-            entry = self._build_entry(layer, x)
-            x.kmaps[key] = entry
-        feats = _DistConv.apply(x.feats, layer.weight_matrix(), entry.extra, engine,
+        cached: Optional[ConvEntry] = x.kmaps.get(key)
+        if cached is None:
+            cached = x.kmaps[key] = self._build_entry(layer, x)
+        feats = _DistConv.apply(x.feats, layer.weight_matrix(), cached.extra, engine,
                                 self.group.overlap, False)
-        return layer.output_tensor(x, entry, feats)
+        return layer.output_tensor(x, cached, feats)
 
     def _build_entry(self, layer: Any, x: SparseTensor) -> Any:
         s = layer.spec

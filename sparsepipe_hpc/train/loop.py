@@ -173,6 +173,8 @@ class Trainer:
 
     # --- setup -----------------------------------------------------------------------------------
     def _open_data(self, path: Path) -> tuple[Any, Any]:
+        train: Any
+        val: Any
         if not path.is_dir():
             raise SetupError(f"--data {path}: not a directory (seg: holds train.h5 and val.h5; "
                              "cls: ModelNet-layout train*.h5 and test*.h5)")
