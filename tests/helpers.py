@@ -1,6 +1,9 @@
-"""Small builders shared by the test suites (random voxel clouds, spconv twins of our layers)."""
+"""Small builders shared by the test suites (random voxel clouds, a fake clock, a full disk)."""
 
 from __future__ import annotations
+
+import errno
+from typing import Any
 
 import torch
 
@@ -20,3 +23,35 @@ def random_cloud(gen: torch.Generator, n: int, shape=(16, 16, 16), batch: int = 
     coords = torch.unique(torch.cat(rows), dim=0).int()
     feats = torch.randn(len(coords), channels, generator=gen, dtype=dtype)
     return SparseTensor(coords, feats, shape, batch)
+
+
+class FakeClock:
+    """Stands in for the ``time`` module inside halo.transport.delay: time moves only when the test
+    (or the transport's own ``sleep``) moves it, so nothing depends on how loaded the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+class FillsUp:
+    """A text file whose writes fail with ENOSPC after the first ``ok`` (a disk filling up)."""
+
+    def __init__(self, real: Any, ok: int) -> None:
+        self.real, self.ok, self.writes = real, ok, 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        if self.writes > self.ok:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)

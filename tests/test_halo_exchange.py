@@ -8,6 +8,7 @@ from mpi4py import MPI
 
 import halo
 import halo.transport.delay as delay_module
+from helpers import FakeClock
 from halo.plan import HaloPlan
 from halo.transport.base import CompletedRequest
 
@@ -44,21 +45,6 @@ def test_mpi_transport_refuses_what_it_cannot_send():
     with pytest.raises(halo.TransportError, match="is on meta; it moves host"):
         t.start([(0, torch.zeros(4, device="meta"))], [], 1)
 
-
-class FakeClock:
-    """Stands in for the ``time`` module inside halo.transport.delay: time moves only when the test
-    (or the transport's own ``sleep``) moves it, so nothing depends on how loaded the machine is."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.slept: list[float] = []
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
 
 
 def test_delayed_transport_holds_requests_back(monkeypatch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
@@ -27,6 +26,8 @@ from sparsepipe_hpc.train.config import parse_config
 from sparsepipe_hpc.train.loop import LrSchedule, SetupError, Trainer
 from sparsepipe_hpc.train.metrics import read_metrics
 from sparsepipe_hpc.train.output import OutputError
+
+from helpers import FillsUp
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -357,21 +358,7 @@ def test_checkpoint_write_failure_is_a_clear_error(data, tmp_path, monkeypatch):
 def test_metrics_write_failure_stops_the_run(data, tmp_path):
     trainer = Trainer(tiny(data, tmp_path, "--steps", "8", "--checkpoint-every", "0"),
                       MPI.COMM_SELF, log=None)
-    real = trainer.metrics._file
-
-    class FillsUp:
-        writes = 0
-
-        def write(self, text):
-            FillsUp.writes += 1
-            if FillsUp.writes > 2:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real.write(text)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    trainer.metrics._file = FillsUp()
+    trainer.metrics._file = FillsUp(trainer.metrics._file, ok=2)
     with pytest.raises(OutputError, match=rf"cannot write the metrics log {tmp_path}/metrics.jsonl"
                                           r": OSError: \[Errno 28\]"):
         trainer.run()

@@ -22,6 +22,9 @@ import time
 
 import pytest
 
+# The shared test helpers live one level up (tests/helpers.py).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402

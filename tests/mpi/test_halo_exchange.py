@@ -8,6 +8,7 @@ import torch
 
 import halo
 import halo.transport.delay as delay_module
+from helpers import FakeClock
 from halo.kmap import coord_keys
 from halo.synth import boundary_cloud, clustered_cloud, with_batch
 
@@ -109,20 +110,6 @@ def test_overlapping_exchanges_and_buffer_reuse(comm, rng, dims):
     out = torch.empty(plan.num_halo, 4, dtype=torch.float64)
     assert ex.start(a, out=out).wait() is out and torch.equal(out, want)
 
-
-class FakeClock:
-    """Stands in for the ``time`` module inside halo.transport.delay (see the serial suite)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.slept: list[float] = []
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
 
 
 def test_delayed_transport_overlap(comm, rng, monkeypatch):

@@ -11,13 +11,14 @@ BatchNorm, has such directions) becomes a full +-lr step whose sign is the round
 
 from __future__ import annotations
 
-import errno
 import io
 from pathlib import Path
 
 import pytest
 import torch
 from mpi4py import MPI
+
+from helpers import FillsUp
 
 from sparsepipe_hpc.train import checkpoint as ck
 from sparsepipe_hpc.train.config import parse_config
@@ -147,21 +148,7 @@ def test_metrics_write_failure_on_rank_0_reaches_every_rank(comm, shared):
     trainer = Trainer(config(shared, out, "seg", "--steps", "6", "--checkpoint-every", "0"), comm,
                       log=None)
     if comm.rank == 0:
-        real = trainer.metrics._file
-
-        class FillsUp:
-            writes = 0
-
-            def write(self, text):
-                FillsUp.writes += 1
-                if FillsUp.writes > 1:
-                    raise OSError(errno.ENOSPC, "No space left on device")
-                return real.write(text)
-
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-        trainer.metrics._file = FillsUp()
+        trainer.metrics._file = FillsUp(trainer.metrics._file, ok=1)
     with pytest.raises(OutputError, match=r"cannot write the metrics log .*metrics.jsonl: "
                                           r"OSError: \[Errno 28\]"):
         trainer.run()
