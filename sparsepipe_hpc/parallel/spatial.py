@@ -125,14 +125,20 @@ class SpatialDomain:
             feats = _DistConv.apply(x.feats, layer.weight_matrix(), maps, engine,
                                     self.group.overlap, True)
             return layer.output_tensor(x, entry, feats)
+        entry = self.entry(layer, x)
+        feats = _DistConv.apply(x.feats, layer.weight_matrix(), entry.extra, engine,
+                                self.group.overlap, False)
+        return layer.output_tensor(x, entry, feats)
+
+    def entry(self, layer: Any, x: SparseTensor) -> ConvEntry:
+        """The distributed map of (non-transposed) ``layer`` on ``x``, built once per key (the
+        build is collective over the group when the layer needs a halo plan)."""
         key = layer.cache_key(x)
         entry = x.kmaps.get(key)
         if entry is None:
             entry = self._build_entry(layer, x)
             x.kmaps[key] = entry
-        feats = _DistConv.apply(x.feats, layer.weight_matrix(), entry.extra, engine,
-                                self.group.overlap, False)
-        return layer.output_tensor(x, entry, feats)
+        return entry
 
     def _build_entry(self, layer: Any, x: SparseTensor) -> Any:
         s = layer.spec
