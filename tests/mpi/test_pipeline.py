@@ -22,14 +22,12 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from halo.transport.mpi import MPITransport
 from sparsepipe_hpc.nn import SparseResNet, SparseUNet
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
-from sparsepipe_hpc.pipeline import make_schedule
 from sparsepipe_hpc.pipeline.carry import PipelineError, plan_carry
-from sparsepipe_hpc.pipeline.executor import StageExecutor, sample_bounds
-from sparsepipe_hpc.pipeline.p2p import StageLink
+from sparsepipe_hpc.pipeline.executor import sample_bounds, split_batch
+from sparsepipe_hpc.pipeline.runner import Pipeline
 from sparsepipe_hpc.sparse import SparseTensor
 
 SHAPE = (16, 16, 16)
@@ -133,29 +131,25 @@ def _pipelined(comm, model, batch, name, stages, grid, kind, m):
     ctx = ParallelContext(comm, layout)
     pos = ctx.position
     x, vlab, slab = batch
-    plan = plan_carry([b.carry_arity for b in model.blocks], BALANCE[name][stages])
-    sched = make_schedule(kind, stages, m, skips=plan.skips)
-    a, b = plan.stages[pos.stage].blocks
+    pipe = Pipeline(model, ctx, balance=",".join(map(str, BALANCE[name][stages])),
+                    schedule=kind, micro_batches=m)
+    per = GLOBAL_BATCH // layout.replicas
+    xr, vr, sr = select(x, vlab, slab, range(pos.replica * per, (pos.replica + 1) * per))
     inputs, contexts, labels = [], [], []
-    for samples in micro_samples(layout.replicas, m)[pos.replica]:
-        xi, vi, si = select(x, vlab, slab, samples)
+    for (xi, vi), (lo, hi) in zip(split_batch(xr, m, vr), sample_bounds(per, m)):
         xl, vl = ctx.distribute(xi, vi, align=model.total_stride)
         inputs.append(xl)
         contexts.append(xl.context)
-        labels.append((vl, si))
-    link = StageLink(MPITransport(comm))
-    ex = StageExecutor(model.blocks[a:b], plan, sched, pos.stage, link,
-                       lambda s: layout.rank_of(pos.replica, s, pos.spatial))
-    params = list(model.blocks[a:b].parameters())
+        labels.append((vl, sr[lo:hi]))
 
     def loss_fn(i, out):
         return loss_of(out, *labels[i], name, len(x.coords), layout.spatial_size)
 
-    shares = ex.run(inputs if pos.stage == 0 else [None] * m, contexts,
-                    loss_fn if pos.stage == stages - 1 else None,
-                    step=lambda: ctx.allreduce_gradients(params))
+    params = list(pipe.parameters())
+    shares = pipe.run(inputs, contexts, loss_fn, step=lambda: ctx.allreduce_gradients(params))
+    assert len(shares) == (m if pipe.is_last else 0)
     loss = comm.allreduce(float(sum(shares)) if shares else 0.0)
-    return pos, plan, loss
+    return pos, pipe.plan, loss
 
 
 def compare(model, ref, plan_stage, pos):
@@ -225,9 +219,63 @@ def test_bad_balance_fails_on_every_rank(comm):
     assert len(set(comm.allgather(msg))) == 1
 
 
+def test_balance_not_matching_stages_fails_on_every_rank(comm):
+    model = build("unet")
+    ctx = ParallelContext(comm, RankLayout.from_world(comm.size))  # one stage, n replicas
+    with pytest.raises(PipelineError) as err:
+        Pipeline(model, ctx, balance="3,3", schedule="gpipe", micro_batches=2)
+    msg = str(err.value)
+    assert "--balance 3,3 names 2 stage(s) but --stages is 1" in msg
+    assert len(set(comm.allgather(msg))) == 1
+
+
 def test_stages_not_dividing_ranks_fail_on_every_rank(comm):
     stages = 2 if comm.size % 2 else 3
     with pytest.raises(LayoutError) as err:
         RankLayout.from_world(comm.size, stages=stages)
     assert f"does not divide the {comm.size} ranks" in str(err.value)
     assert comm.allreduce(1) == comm.size  # every rank got here, nobody hangs
+
+
+def test_stage_link_round_trip(comm):
+    """A carry (sparse with a strided kernel map, an empty box, a dense tensor) crosses from
+    rank 0 to rank 1 with its sizes, the map is rebuilt equal, and gradients come back."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    from halo.transport.mpi import MPITransport
+    from sparsepipe_hpc.nn import SparseConv3d
+    from sparsepipe_hpc.pipeline.p2p import StageLink
+
+    def carry():
+        x, _, _ = make_batch(5)
+        x.feats.requires_grad_(True)
+        SparseConv3d(3, 2, 2, 2, indice_key="down1").double()(x)  # fills x.kmaps["down1"]
+        empty = SparseTensor(torch.zeros(0, 4, dtype=torch.int32), torch.zeros(0, 5), SHAPE, 1, 2)
+        return [x, empty, torch.arange(6.0).reshape(2, 3)]
+
+    link = StageLink(MPITransport(comm.Dup()))
+    mine = carry()
+    if comm.rank == 0:
+        sends = link.send_carry(1, 7, mine)
+        pending = link.post_grads(1, 7, mine)
+        grads = link.finish_grads(pending)
+        for r in sends:
+            r.wait()
+        torch.testing.assert_close(grads[0], 2 * mine[0].feats.detach(), rtol=0, atol=0)
+        assert grads[1] is None and grads[2] is None
+    elif comm.rank == 1:
+        got = link.finish_carry(link.post_carry(0, 7))
+        x, empty, dense = got
+        assert torch.equal(x.coords, mine[0].coords) and torch.equal(x.feats, mine[0].feats)
+        assert (x.spatial_shape, x.batch_size, x.stride) == (SHAPE, GLOBAL_BATCH, 1)
+        assert x.feats.requires_grad and not empty.feats.requires_grad
+        assert empty.num_voxels == 0 and empty.num_channels == 5 and empty.stride == 2
+        assert torch.equal(dense, mine[2])
+        assert x.kmaps is empty.kmaps and set(x.kmaps) == {"down1"}
+        want, rebuilt = mine[0].kmaps["down1"], x.kmaps["down1"]
+        assert rebuilt.in_coords is x.coords
+        assert torch.equal(rebuilt.out_coords, want.out_coords)
+        for f in ("in_rows", "out_rows", "ptr"):
+            assert torch.equal(getattr(rebuilt.kmap, f), getattr(want.kmap, f)), f
+        for r in link.send_grads(0, 7, [2 * x.feats.detach(), None, None]):
+            r.wait()
