@@ -114,7 +114,14 @@ class StageExecutor:
 
     def run(self, inputs: Sequence[Optional[SparseTensor]], contexts: Sequence[Any],
             loss_fn: Optional[Callable[[int, Any], torch.Tensor]] = None,
-            step: Optional[Callable[[], None]] = None) -> list[torch.Tensor]:
+            step: Optional[Callable[[], None]] = None,
+            backward: bool = True) -> list[torch.Tensor]:
+        """Run the stage's program once (one mini-batch); see the module docstring.
+
+        ``backward=False`` (evaluation): only the forward actions and their transfers run, under
+        ``torch.no_grad()``; nothing steps. ``loss_fn`` may then return any tensor (a loss, the
+        predictions): its results come back, one per micro-batch, on the last stage.
+        """
         m = self.schedule.micro_batches
         if len(contexts) != m or (self.stage == 0 and len(inputs) != m):
             raise PipelineError(f"the schedule has {m} micro-batches but run() got "
@@ -137,6 +144,9 @@ class StageExecutor:
         in_grads: dict[int, dict[int, Optional[torch.Tensor]]] = {}
         losses: dict[int, torch.Tensor] = {}
         sends: list[Any] = []
+        if not backward:
+            actions = tuple(a for a in actions
+                            if a.op in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT))
         for act in actions:
             if act.op is Op.STEP:
                 for r in sends:
@@ -156,7 +166,7 @@ class StageExecutor:
             elif act.op is Op.FORWARD:
                 carry = [inputs[i] if s.producer == INPUT else received[i][s.id]
                          for s in plan.inputs]
-                with torch.enable_grad():
+                with torch.set_grad_enabled(backward):
                     for block in self.blocks:
                         carry = block(carry)
                     if len(carry) != len(plan.outputs):
@@ -170,7 +180,8 @@ class StageExecutor:
                 ents = [outputs[i][s.id] for s in plan.send_slots(peer)]
                 rank = self.peer_rank(peer)
                 sends += link.send_carry(rank, i, ents)
-                grad_recvs[(i, peer)] = link.post_grads(rank, i, ents)
+                if backward:
+                    grad_recvs[(i, peer)] = link.post_grads(rank, i, ents)
             elif act.op is Op.RECV_GRAD:
                 got_g = link.finish_grads(grad_recvs.pop((i, peer)))
                 out_grads[i].update(zip((s.id for s in plan.send_slots(peer)), got_g))
@@ -181,6 +192,9 @@ class StageExecutor:
             elif act.op is Op.SEND_GRAD:
                 grads = [in_grads[i].pop(s.id) for s in plan.recv_slots(peer)]
                 sends += link.send_grads(self.peer_rank(peer), i, grads)
+        if not backward:
+            for r in sends:
+                r.wait()
         return [losses[i].detach() for i in range(m)] if self.last else []
 
     def _backward(self, i: int, outs: dict[int, Any], grads: dict[int, Optional[torch.Tensor]],

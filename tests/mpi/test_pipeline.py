@@ -101,7 +101,8 @@ def oracle(model, batch, name, groups):
     for samples in groups:
         xi, vi, si = select(x, vlab, slab, samples)
         share = loss_of(model(xi), vi, si, name, len(x.coords))
-        share.backward()
+        if torch.is_grad_enabled():
+            share.backward()
         total += float(share.detach())
     return total
 
@@ -125,7 +126,7 @@ def pipelined(request):
     return run
 
 
-def _pipelined(comm, model, batch, name, stages, grid, kind, m):
+def _pipelined(comm, model, batch, name, stages, grid, kind, m, backward=True):
     """This rank's part of the pipelined step; returns (position, carry plan, global loss)."""
     layout = RankLayout.from_world(comm.size, grid=grid, stages=stages)
     ctx = ParallelContext(comm, layout)
@@ -146,7 +147,8 @@ def _pipelined(comm, model, batch, name, stages, grid, kind, m):
         return loss_of(out, *labels[i], name, len(x.coords), layout.spatial_size)
 
     params = list(pipe.parameters())
-    shares = pipe.run(inputs, contexts, loss_fn, step=lambda: ctx.allreduce_gradients(params))
+    shares = pipe.run(inputs, contexts, loss_fn, step=lambda: ctx.allreduce_gradients(params),
+                      backward=backward)
     assert len(shares) == (m if pipe.is_last else 0)
     loss = comm.allreduce(float(sum(shares)) if shares else 0.0)
     return pos, pipe.plan, loss
@@ -207,6 +209,24 @@ def test_pipeline_eval_bn_equals_full_batch(comm, pipelined, kind):
                                     GLOBAL_BATCH // replicas)
         assert loss == pytest.approx(ref_loss, rel=1e-10)
         compare(model, ref, plan.stages[pos.stage], pos)
+
+
+@pytest.mark.parametrize("name", ["unet", "resnet"])
+def test_forward_only_pipeline_equals_serial_eval(comm, pipelined, name):
+    """Evaluation: forward actions only, no gradients anywhere, the serial eval loss."""
+    if not layouts(comm):
+        pytest.skip(f"no pipeline layout for {comm.size} ranks")
+    batch = make_batch(13)
+    for stages, grid in layouts(comm):
+        replicas = comm.size // (stages * grid[0] * grid[1] * grid[2])
+        ref = build(name).eval()
+        model = copy.deepcopy(ref)
+        with torch.no_grad():
+            ref_loss = oracle(ref, batch, name, [list(range(GLOBAL_BATCH))])
+        _, _, loss = pipelined(comm, model, batch, name, stages, grid, "1f1b",
+                               min(3, GLOBAL_BATCH // replicas), False)
+        assert loss == pytest.approx(ref_loss, rel=1e-10)
+        assert all(p.grad is None for p in model.parameters())
 
 
 def test_bad_balance_fails_on_every_rank(comm):
