@@ -33,7 +33,14 @@ Carry = list[Any]
 
 
 class Block(nn.Module):
-    """One pipeline-cuttable unit: ``forward(carry) -> carry``."""
+    """One pipeline-cuttable unit: ``forward(carry) -> carry``.
+
+    ``carry_arity = (pops, pushes)``: the block reads and removes the last ``pops`` entries of the
+    carry, leaves the rest untouched, and appends ``pushes`` entries. The pipeline plans from it
+    which stage makes and which stage uses every carry entry (sparsepipe_hpc.pipeline.carry).
+    """
+
+    carry_arity: tuple[int, int] | None = None
 
     def forward(self, carry: Carry) -> Carry:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -83,6 +90,8 @@ class ResidualUnit(nn.Module):
 
 
 class Stem(Block):
+    carry_arity = (1, 1)
+
     def __init__(self, cin: int, width: int, engine: str):
         super().__init__()
         self.net = nn.Sequential(*conv_bn_relu(SubMConv3d(cin, width, 3, engine=engine), width),
@@ -98,6 +107,8 @@ class Down(Block):
     def __init__(self, cin: int, cout: int, key: str, units: int, engine: str, keep_skip: bool):
         super().__init__()
         self.keep_skip = keep_skip
+        # Keeping the skip re-pushes the input: the skip is made by this block's stage.
+        self.carry_arity = (1, 2) if keep_skip else (1, 1)
         self.net = nn.Sequential(
             *conv_bn_relu(SparseConv3d(cin, cout, 2, 2, indice_key=key, engine=engine), cout),
             *[ResidualUnit(cout, cout, engine) for _ in range(units)])
@@ -109,6 +120,8 @@ class Down(Block):
 
 class Up(Block):
     """Inverse convolution onto the skip's voxels, concatenation, residual units."""
+
+    carry_arity = (2, 1)
 
     def __init__(self, cin: int, cskip: int, cout: int, key: str, units: int, engine: str):
         super().__init__()
@@ -125,6 +138,8 @@ class Up(Block):
 
 
 class SegHead(Block):
+    carry_arity = (1, 1)
+
     def __init__(self, cin: int, num_classes: int):
         super().__init__()
         self.linear = Linear(cin, num_classes)
@@ -134,6 +149,8 @@ class SegHead(Block):
 
 
 class ClsHead(Block):
+    carry_arity = (1, 1)
+
     def __init__(self, cin: int, num_classes: int, pool: str):
         super().__init__()
         self.pool = GlobalPool(pool)

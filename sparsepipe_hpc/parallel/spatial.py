@@ -125,13 +125,19 @@ class SpatialDomain:
             feats = _DistConv.apply(x.feats, layer.weight_matrix(), maps, engine,
                                     self.group.overlap, True)
             return layer.output_tensor(x, entry, feats)
+        built = self.entry(layer, x)
+        feats = _DistConv.apply(x.feats, layer.weight_matrix(), built.extra, engine,
+                                self.group.overlap, False)
+        return layer.output_tensor(x, built, feats)
+
+    def entry(self, layer: Any, x: SparseTensor) -> ConvEntry:
+        """The distributed map of (non-transposed) ``layer`` on ``x``, built once per key (the
+        build is collective over the group when the layer needs a halo plan)."""
         key = layer.cache_key(x)
         cached: Optional[ConvEntry] = x.kmaps.get(key)
         if cached is None:
             cached = x.kmaps[key] = self._build_entry(layer, x)
-        feats = _DistConv.apply(x.feats, layer.weight_matrix(), cached.extra, engine,
-                                self.group.overlap, False)
-        return layer.output_tensor(x, cached, feats)
+        return cached
 
     def _build_entry(self, layer: Any, x: SparseTensor) -> Any:
         s = layer.spec

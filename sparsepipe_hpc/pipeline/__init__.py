@@ -9,7 +9,10 @@
 
 Modules: ``schedule`` (actions, GPipe and 1F1B), ``replay`` (the MPI-free interpreter),
 ``validate`` (rules and deadlock check), ``simulate`` (timelines, bubble, memory), ``render``
-(grid, Chrome trace). The executor and the stage transfers build on these.
+(grid, Chrome trace). On these, with tensors and MPI (import them by module): ``carry`` (stage
+partition; which stage makes and uses each carry entry, so skips go straight to their decoder),
+``p2p`` (size-prefixed non-blocking stage messages, kernel maps rebuilt from coordinates),
+``executor`` (runs one stage's program; micro-batch splitting).
 """
 
 from sparsepipe_hpc.pipeline.render import format_schedule, to_chrome_trace

@@ -82,6 +82,10 @@ class TrainConfig:
     eval_every: int = 0
     grid: tuple[int, int, int] = (1, 1, 1)
     replicas: Optional[int] = None
+    stages: int = 1
+    balance: Optional[str] = None
+    micro_batches: int = 1
+    pipeline_schedule: str = "1f1b"
     cuts: str = "balanced"
     overlap: bool = True
     engine: str = "auto"
@@ -207,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 1,1,1)")
     g.add_argument("--replicas", type=_positive_int, metavar="R", help="data-parallel replicas "
                    "(default: world size / grid product)")
+    g.add_argument("--stages", type=_positive_int, metavar="S", help="pipeline stages: the "
+                   "model's blocks cut into S groups of ranks (default 1: no pipeline)")
+    g.add_argument("--balance", metavar="N,N,...", help="blocks per pipeline stage, one count "
+                   "per stage summing to the model's blocks (default: as equal as counts allow)")
+    g.add_argument("--micro-batches", type=_positive_int, metavar="M", help="whole-sample "
+                   "micro-batches per replica's batch in the pipeline (default 1); BatchNorm "
+                   "normalizes each micro-batch by its own statistics (GPipe's semantics)")
+    g.add_argument("--pipeline-schedule", choices=("gpipe", "1f1b"), help="pipeline schedule "
+                   "(default 1f1b; --schedule is the learning-rate schedule)")
     g.add_argument("--cuts", choices=("balanced", "uniform"), help="spatial cut placement "
                    "(default balanced)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
@@ -309,13 +322,18 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
                           f"pass a --grid whose product divides {world_size}, or start a "
                           f"multiple of {math.prod(grid)} ranks")
     try:
-        layout = RankLayout.from_world(world_size, cfg.grid, cfg.replicas)
+        layout = RankLayout.from_world(world_size, cfg.grid, cfg.replicas, stages=cfg.stages)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     if cfg.batch_size % layout.replicas:
         raise ConfigError(f"--batch-size {cfg.batch_size} cannot be split over {layout.replicas} "
                           f"replicas; pass a multiple of {layout.replicas}")
     local = cfg.batch_size // layout.replicas
+    if cfg.micro_batches > local:
+        raise ConfigError(f"--micro-batches {cfg.micro_batches} needs at least that many samples "
+                          f"per replica, but --batch-size {cfg.batch_size} over {layout.replicas} "
+                          f"replica(s) gives {local}; micro-batches are whole samples: pass "
+                          f"--micro-batches {local} or less, or a larger --batch-size")
     if local > MAX_BATCH:  # a replica's samples form one SparseTensor, whose keys hold 8 bits
         raise ConfigError(f"--batch-size {cfg.batch_size} puts {local} samples on each of "
                           f"{layout.replicas} replica(s); a replica takes at most {MAX_BATCH} "

@@ -20,6 +20,15 @@ gradient, so any layout trains the same model as one process (up to float roundi
 is drawn per sample from a generator seeded by ``(seed, epoch, sample index)``, so it too does not
 depend on which replica reads the sample, nor on where a resumed run restarted.
 
+Pipeline (``--stages S --balance N,... --micro-batches M --pipeline-schedule 1f1b``): each rank
+runs its stage's blocks (sparsepipe_hpc.pipeline.runner.Pipeline) on M whole-sample micro-batches
+of its replica's batch; the last stage holds the loss shares, stage 0 counts the voxels, each
+stage all-reduces and steps its own parameters. BatchNorm normalizes per micro-batch (GPipe's
+semantics: the run equals one process with the same ``--micro-batches``). Evaluation runs the
+stages forward, one micro-batch per batch. Before a checkpoint every stage's weights are
+broadcast to all ranks and each stage's optimizer state gathered, so rank 0 writes the whole model
+(``optimizer_stages`` holds one state per stage); a resume needs the same --stages and --balance.
+
 Resume: model, optimizer moments, data position and RNG states come from the checkpoint; the
 learning-rate schedule does not. It is a pure function of (step, total steps) with the current
 ``--lr``, ``--schedule`` and ``--warmup`` (:class:`LrSchedule`), rebuilt at every start: the same
@@ -54,6 +63,8 @@ from sparsepipe_hpc.data import (ModelNetDataset, SceneDataset, ShardedBatches, 
 from sparsepipe_hpc.nn import build_model
 from sparsepipe_hpc.nn.functional import allreduce_
 from sparsepipe_hpc.parallel.context import ParallelContext
+from sparsepipe_hpc.pipeline.executor import sample_bounds, split_batch
+from sparsepipe_hpc.pipeline.runner import Pipeline
 from sparsepipe_hpc.train import checkpoint as ckpt_io
 from sparsepipe_hpc.train.agreement import (SetupError, agree, check_grid_fits, check_same,
                                             data_fingerprint)
@@ -144,8 +155,17 @@ class Trainer:
         self.origin, self.shape = agree(comm, lambda: grid_for(
             [self.train_set, self.val_set], cfg.voxel_size, multiple=self.stride))
         check_grid_fits(self.layout.grid, self.shape, self.stride, cfg)
+        # Pipeline (--stages, --micro-batches): this rank trains its stage's blocks only; eval
+        # runs the same stages forward, one micro-batch per batch.
+        self.pipe: Optional[Pipeline] = None
+        self.eval_pipe: Optional[Pipeline] = None
+        if cfg.stages > 1 or cfg.micro_batches > 1:
+            self.pipe = agree(comm, lambda: Pipeline(self.model, self.ctx, cfg.balance,
+                                                     cfg.pipeline_schedule, cfg.micro_batches))
+            self.eval_pipe = Pipeline(self.model, self.ctx, cfg.balance, "gpipe", 1)
 
-        params = list(self.model.parameters())
+        params = list(self.pipe.parameters() if self.pipe else self.model.parameters())
+        self.train_params = params
         if cfg.optimizer == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
                 params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
@@ -222,7 +242,16 @@ class Trainer:
             self._on_disk = ckpt_io.entry_digest(ckpt["manifest"], ckpt_io.LAST)
         try:
             self.model.load_state_dict(ckpt["model"])
-            self.optimizer.load_state_dict(ckpt["optimizer"])
+            if self.pipe is not None and self.layout.stages > 1:
+                per_stage = ckpt.get("optimizer_stages")
+                if not per_stage or len(per_stage) != self.layout.stages:
+                    raise ckpt_io.CheckpointError(
+                        f"--resume {path}: this run has {self.layout.stages} pipeline stages but "
+                        f"the checkpoint holds optimizer states for "
+                        f"{len(per_stage) if per_stage else 1}; resume with its --stages")
+                self.optimizer.load_state_dict(per_stage[self.pipe.stage])
+            else:
+                self.optimizer.load_state_dict(ckpt["optimizer"])
             self.batches.load_state_dict(ckpt["loader"])
             self.step = int(ckpt["step"])
             self._restore_schedule(ckpt["scheduler"])
@@ -320,6 +349,8 @@ class Trainer:
         """Forward, backward, gradient all-reduce and update; returns (my loss share, my voxels)."""
         self.model.train()
         batch = self._batch(self.train_set, indices, epoch)
+        if self.pipe is not None:
+            return self._pipeline_step(batch)
         logits, labels, n_local = self._forward(batch)
         ce = F.cross_entropy(logits, labels, reduction="sum")
         if self.seg:
@@ -333,6 +364,61 @@ class Trainer:
         self.scheduler.step()
         return share.detach(), n_local
 
+    def _pipeline_step(self, batch: Any) -> tuple[torch.Tensor, int]:
+        """One pipelined step: micro-batches of whole samples through this rank's stage.
+
+        Returns (my loss share: the sum over micro-batches on the last stage, 0 elsewhere; my
+        input voxels on stage 0, 0 elsewhere), so the world all-reduce counts each once.
+        """
+        pipe, ctx = self.pipe, self.ctx
+        assert pipe is not None
+        m = pipe.micro_batches
+        parts = split_batch(batch.x, m, batch.labels) if self.seg else split_batch(batch.x, m)
+        inputs, contexts, targets, n_local = [], [], [], 0
+        y: Any
+        for part, (lo, hi) in zip(parts, sample_bounds(batch.x.batch_size, m)):
+            if self.seg:
+                x, y = ctx.distribute(part[0], part[1], align=self.stride)
+            else:
+                (x,) = ctx.distribute(part[0], align=self.stride)
+                y = batch.labels[lo:hi]
+            inputs.append(x)
+            contexts.append(x.context)
+            targets.append(y)
+            n_local += x.num_voxels
+        # seg: voxels of the global batch (every stage holds them all); cls: as in train_step.
+        denom = (ctx.global_count(n_local) if self.seg
+                 else self.cfg.batch_size * ctx.spatial_size)
+
+        def loss_fn(i: int, out: Any) -> torch.Tensor:
+            logits = out.feats if self.seg else out
+            return F.cross_entropy(logits, targets[i], reduction="sum") / denom
+
+        def step() -> None:
+            ctx.allreduce_gradients(self.train_params)
+            self.optimizer.step()
+
+        self.optimizer.zero_grad(set_to_none=True)
+        shares = pipe.run(inputs, contexts, loss_fn, step)
+        self.scheduler.step()
+        share = torch.stack(shares).sum() if shares else torch.zeros(())
+        return share, n_local if pipe.is_first else 0
+
+    def _eval_logits(self, batch: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(logits, labels) of a validation batch; pipelined: on the last stage, else None."""
+        if self.eval_pipe is None:
+            logits, target, _ = self._forward(batch)
+            return logits, target
+        labels: Any
+        if self.seg:
+            x, labels = self.ctx.distribute(batch.x, batch.labels, align=self.stride)
+        else:
+            (x,) = self.ctx.distribute(batch.x, align=self.stride)
+            labels = batch.labels
+        out = self.eval_pipe.run([x], [x.context], lambda i, o: o.feats if self.seg else o,
+                                 backward=False)
+        return (out[0], labels) if out else None
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Metrics on the whole validation split, each sample counted once. **Collective.**"""
@@ -344,12 +430,15 @@ class Trainer:
         for indices in batches:
             if not indices:  # the short last step: this replica has nothing (no collective here)
                 continue
-            logits, labels, _ = self._forward(self._batch(self.val_set, indices, None))
+            got = self._eval_logits(self._batch(self.val_set, indices, None))
             # seg: each voxel lives on one rank. cls: every spatial rank holds the same logits,
             # so only spatial rank 0 of a replica counts them.
-            if self.seg or self.ctx.position.spatial == 0:
-                cm.update(logits.argmax(1), labels)
-        cm.allreduce(self.ctx)
+            if got is not None and (self.seg or self.ctx.position.spatial == 0):
+                cm.update(got[0].argmax(1), got[1])
+        if self.pipe is not None:  # only the last stage counted: sum over every rank
+            allreduce_(cm.matrix, self.comm)
+        else:
+            cm.allreduce(self.ctx)
         self.model.train()
         rec: dict[str, Any] = {"kind": "eval", "step": self.step,
                                "epoch": self.epoch,
@@ -371,6 +460,7 @@ class Trainer:
         failed write (OutputError: full or read-only disk) is raised on every rank.
         """
         path = path or self.out / ckpt_io.LAST
+        stage_optimizers = self._sync_stages()
         states = self.comm.gather(ckpt_io.rng_state(), root=0)
 
         def write() -> None:
@@ -381,12 +471,15 @@ class Trainer:
                       "grid": list(self.layout.grid), "world_size": self.layout.size}
             config, versions = self.cfg.to_dict(), _versions(self.comm)
             last = path == self.out / ckpt_io.LAST
-            digest = ckpt_io.save_checkpoint({
+            state = {
                 "format": ckpt_io.FORMAT, "version": ckpt_io.VERSION, "step": self.step,
                 "epoch": self.epoch,
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "loader": self.batches.state_dict(),
-                "rng": states, "config": config, "layout": layout, "versions": versions}, path,
+                "rng": states, "config": config, "layout": layout, "versions": versions}
+            if stage_optimizers is not None:
+                state["optimizer_stages"] = stage_optimizers
+            digest = ckpt_io.save_checkpoint(state, path,
                 {"step": self.step, "epoch": self.epoch, "total_steps": self.total_steps,
                  "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config,
                  "layout": layout, "versions": versions}, on_disk=self._on_disk if last else None)
@@ -396,6 +489,24 @@ class Trainer:
 
         agree(self.comm, write)  # also the barrier: nobody reads or exits before the file is in
         return path
+
+    def _sync_stages(self) -> Optional[list[Any]]:
+        """Pipelined (2+ stages): every rank gets every stage's trained weights and buffers
+        (broadcast from the stage's first rank), and rank 0 each stage's optimizer state, so
+        rank 0's checkpoint holds the whole model. **Collective.** None without stages."""
+        if self.pipe is None or self.layout.stages == 1:
+            return None
+        for s, plan in enumerate(self.pipe.plan.stages):
+            a, b = plan.blocks
+            blocks = self.model.blocks[a:b]
+            for t in list(blocks.parameters()) + list(blocks.buffers()):
+                self.comm.Bcast(t.detach().view(-1).numpy(), root=self.layout.rank_of(0, s, 0))
+        pos = self.ctx.position
+        mine = self.optimizer.state_dict() if pos.replica == 0 and pos.spatial == 0 else None
+        got = self.comm.gather(mine, root=0)
+        if not self.is_root:
+            return None
+        return [got[self.layout.rank_of(0, s, 0)] for s in range(self.layout.stages)]
 
     def _check_outputs(self, failed: bool) -> None:
         """Raise rank 0's OutputError on every rank when ``failed`` (agreed by all ranks)."""

@@ -1,0 +1,87 @@
+"""One rank's pipelined model: its stage's blocks, the carry plan, the schedule and the executor.
+
+    ctx = ParallelContext(comm, RankLayout.from_world(comm.size, stages=2))
+    pipe = Pipeline(model, ctx, balance="3,3", schedule="1f1b", micro_batches=4)  # collective
+    parts = split_batch(batch_x, pipe.micro_batches, labels)     # whole samples per micro-batch
+    local = [ctx.distribute(x, y, align=model.total_stride) for x, y in parts]
+    shares = pipe.run([x for x, _ in local], [x.context for x, _ in local], loss_fn,
+                      step=lambda: (ctx.allreduce_gradients(pipe.parameters()), opt.step()))
+
+Every rank holds the whole model (so one seed or one broadcast initializes every stage alike) and
+runs ``model.blocks[a:b]`` of its stage; ``parameters()`` are the ones its optimizer and its
+gradient all-reduce (ParallelContext.allreduce_gradients over the stage's ranks) cover.
+
+BatchNorm in training mode normalizes each micro-batch by its own statistics over the stage's
+ranks (GPipe's semantics): the result equals the single-process run over the same micro-batches
+(micro-batch i of the global batch = every replica's micro-batch i), not the unsplit batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from halo.transport.base import Transport
+from halo.transport.mpi import MPITransport
+from sparsepipe_hpc.pipeline.carry import CarryPlan, PipelineError, parse_balance, plan_carry
+from sparsepipe_hpc.pipeline.executor import StageExecutor
+from sparsepipe_hpc.pipeline.p2p import StageLink
+from sparsepipe_hpc.pipeline.schedule import Schedule, make_schedule
+from sparsepipe_hpc.sparse import SparseTensor
+
+__all__ = ["Pipeline", "even_balance"]
+
+
+def even_balance(num_blocks: int, stages: int) -> tuple[int, ...]:
+    """Blocks per stage as equal as counts allow (the first stages get the extra ones)."""
+    if stages > num_blocks:
+        raise PipelineError(f"{stages} stages need at least {stages} blocks but the model has "
+                            f"{num_blocks}; pass --stages <= {num_blocks}")
+    q, r = divmod(num_blocks, stages)
+    return tuple(q + (1 if s < r else 0) for s in range(stages))
+
+
+class Pipeline:
+    """This rank's stage of ``model`` under ``ctx``'s layout (collective: every rank of the job
+    constructs it, with the same arguments).
+
+    ``balance``: blocks per stage ("5,4" or a sequence; None: :func:`even_balance`), one entry per
+    stage of ``ctx.layout``. ``transport``: for stage messages, over a communicator whose ranks
+    are the world's (default: MPI over a duplicate of ``ctx.world``, so stage tags never meet
+    other traffic).
+    """
+
+    def __init__(self, model: Any, ctx: Any, balance: Optional[str | Sequence[int]] = None,
+                 schedule: str = "1f1b", micro_batches: int = 1,
+                 transport: Optional[Transport] = None):
+        stages = ctx.layout.stages
+        n = len(model.blocks)
+        parts = even_balance(n, stages) if balance is None else parse_balance(balance, n, stages)
+        self.plan: CarryPlan = plan_carry([b.carry_arity for b in model.blocks], parts)
+        self.schedule: Schedule = make_schedule(schedule, stages, micro_batches,
+                                                skips=self.plan.skips)
+        self.balance = parts
+        self.micro_batches = micro_batches
+        self.stage = ctx.position.stage
+        self.is_first, self.is_last = self.stage == 0, self.stage == stages - 1
+        a, b = self.plan.stages[self.stage].blocks
+        self.blocks = model.blocks[a:b]
+        pos, layout = ctx.position, ctx.layout
+        link = StageLink(transport if transport is not None else MPITransport(ctx.world.Dup()))
+        self.executor = StageExecutor(self.blocks, self.plan, self.schedule, self.stage, link,
+                                      lambda s: layout.rank_of(pos.replica, s, pos.spatial))
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """This stage's parameters (the slice of the model this rank trains)."""
+        return self.blocks.parameters()
+
+    def run(self, inputs: Sequence[Optional[SparseTensor]], contexts: Sequence[Any],
+            loss_fn: Optional[Callable[[int, Any], torch.Tensor]],
+            step: Optional[Callable[[], None]] = None,
+            backward: bool = True) -> list[torch.Tensor]:
+        """One mini-batch through the schedule (StageExecutor.run's contract); loss shares of
+        the micro-batches on the last stage, [] elsewhere. ``backward=False``: forward only
+        (evaluation), ``loss_fn``'s results returned."""
+        return self.executor.run(inputs if self.is_first else [None] * self.micro_batches,
+                                 contexts, loss_fn if self.is_last else None, step, backward)

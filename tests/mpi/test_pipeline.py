@@ -1,0 +1,301 @@
+"""Pipelined training steps equal the single-process run (float64), under real mpirun.
+
+Every rank builds the same model and the same global batch, runs the single-process oracle on it,
+then runs its own part of the pipeline (its stage's blocks, its replica's samples, its box under
+a spatial grid) through the executor and compares loss, parameter gradients (after the stage's
+all-reduce) and BatchNorm running statistics.
+
+BatchNorm in training mode normalizes each micro-batch by its own statistics (GPipe's semantics),
+so the training-mode oracle runs the serial model on the same micro-batches (micro-batch i of the
+global batch = every replica's micro-batch i) and accumulates; the eval-mode test compares with
+the plain unpipelined full-batch step (micro-batching is then invisible).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from sparsepipe_hpc.nn import SparseResNet, SparseUNet
+from sparsepipe_hpc.parallel.context import ParallelContext
+from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
+from sparsepipe_hpc.pipeline.carry import PipelineError, plan_carry
+from sparsepipe_hpc.pipeline.executor import sample_bounds, split_batch
+from sparsepipe_hpc.pipeline.runner import Pipeline
+from sparsepipe_hpc.sparse import SparseTensor
+
+SHAPE = (16, 16, 16)
+GLOBAL_BATCH = 4
+CLASSES = 4
+TOL = dict(rtol=1e-9, atol=1e-11)
+# (stages, grid) per world size; replicas fill the rest.
+LAYOUTS = {1: [(1, (1, 1, 1))], 2: [(2, (1, 1, 1))], 3: [(3, (1, 1, 1))],
+           4: [(2, (1, 1, 1)), (2, (2, 1, 1)), (4, (1, 1, 1))]}
+# Balances: U-Net depth 2 = stem down1 down2 up2 up1 head; ResNet depth 2 = stem down1 down2 head.
+BALANCE = {"unet": {1: [6], 2: [2, 4], 3: [2, 2, 2], 4: [1, 1, 2, 2]},
+           "resnet": {1: [4], 2: [2, 2], 3: [1, 2, 1], 4: [1, 1, 1, 1]}}
+
+
+def layouts(comm):
+    return LAYOUTS.get(comm.size, [])
+
+
+def make_batch(seed: int):
+    """A global batch of GLOBAL_BATCH random clouds, per-voxel and per-sample labels."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in range(GLOBAL_BATCH):
+        n = 120 + 40 * b
+        xyz = (torch.rand(n, 3, generator=g) * torch.tensor(SHAPE)).long()
+        rows.append(torch.cat([torch.full((n, 1), b), xyz], 1))
+    coords = torch.unique(torch.cat(rows), dim=0).int()
+    feats = torch.randn(len(coords), 3, generator=g, dtype=torch.float64)
+    voxel_labels = torch.randint(0, CLASSES, (len(coords),), generator=g)
+    sample_labels = torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=g)
+    return SparseTensor(coords, feats, SHAPE, GLOBAL_BATCH), voxel_labels, sample_labels
+
+
+def select(x: SparseTensor, vlab, slab, samples):
+    """The given samples of a batch, renumbered 0.. in the order given."""
+    cs, fs, ls = [], [], []
+    for new, b in enumerate(samples):
+        rows = x.coords[:, 0] == b
+        c = x.coords[rows].clone()
+        c[:, 0] = new
+        cs.append(c)
+        fs.append(x.feats[rows])
+        ls.append(vlab[rows])
+    return (SparseTensor(torch.cat(cs), torch.cat(fs), x.spatial_shape, len(samples)),
+            torch.cat(ls), slab[list(samples)])
+
+
+def build(name: str):
+    torch.manual_seed(3)
+    cls = SparseUNet if name == "unet" else SparseResNet
+    return cls(3, CLASSES, width=4, depth=2).double()
+
+
+def micro_samples(replicas: int, m: int) -> list[list[list[int]]]:
+    """[replica][micro-batch] -> global sample indices."""
+    per = GLOBAL_BATCH // replicas
+    return [[list(range(r * per + lo, r * per + hi)) for lo, hi in sample_bounds(per, m)]
+            for r in range(replicas)]
+
+
+def loss_of(task_out, vlab, slab, name, total_voxels, spatial_size=1):
+    if name == "unet":
+        return F.cross_entropy(task_out.feats, vlab, reduction="sum") / total_voxels
+    return F.cross_entropy(task_out, slab, reduction="sum") / (GLOBAL_BATCH * spatial_size)
+
+
+def oracle(model, batch, name, groups):
+    """Serial forward+backward over ``groups`` (lists of samples), accumulated; returns loss."""
+    x, vlab, slab = batch
+    total = 0.0
+    for samples in groups:
+        xi, vi, si = select(x, vlab, slab, samples)
+        share = loss_of(model(xi), vi, si, name, len(x.coords))
+        if torch.is_grad_enabled():
+            share.backward()
+        total += float(share.detach())
+    return total
+
+
+@pytest.fixture
+def pipelined(request):
+    """The pipelined step; an exception aborts the job at once (traceback on the terminal),
+    since the ranks of the other stages would otherwise wait for this rank's messages until the
+    test's timeout."""
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+
+    def run(*args):
+        try:
+            return _pipelined(*args)
+        except BaseException:
+            with capman.global_and_fixture_disabled():
+                print(f"[rank {MPI.COMM_WORLD.rank}] {traceback.format_exc()}", file=sys.stderr,
+                      flush=True)
+            MPI.COMM_WORLD.Abort(1)
+
+    return run
+
+
+def _pipelined(comm, model, batch, name, stages, grid, kind, m, backward=True):
+    """This rank's part of the pipelined step; returns (position, carry plan, global loss)."""
+    layout = RankLayout.from_world(comm.size, grid=grid, stages=stages)
+    ctx = ParallelContext(comm, layout)
+    pos = ctx.position
+    x, vlab, slab = batch
+    pipe = Pipeline(model, ctx, balance=",".join(map(str, BALANCE[name][stages])),
+                    schedule=kind, micro_batches=m)
+    per = GLOBAL_BATCH // layout.replicas
+    xr, vr, sr = select(x, vlab, slab, range(pos.replica * per, (pos.replica + 1) * per))
+    inputs, contexts, labels = [], [], []
+    for (xi, vi), (lo, hi) in zip(split_batch(xr, m, vr), sample_bounds(per, m)):
+        xl, vl = ctx.distribute(xi, vi, align=model.total_stride)
+        inputs.append(xl)
+        contexts.append(xl.context)
+        labels.append((vl, sr[lo:hi]))
+
+    def loss_fn(i, out):
+        return loss_of(out, *labels[i], name, len(x.coords), layout.spatial_size)
+
+    params = list(pipe.parameters())
+    shares = pipe.run(inputs, contexts, loss_fn, step=lambda: ctx.allreduce_gradients(params),
+                      backward=backward)
+    assert len(shares) == (m if pipe.is_last else 0)
+    loss = comm.allreduce(float(sum(shares)) if shares else 0.0)
+    return pos, pipe.plan, loss
+
+
+def compare(model, ref, plan_stage, pos):
+    a, b = plan_stage.blocks
+    mine = {f"blocks.{a + k}.{n}" for k in range(b - a)
+            for n, _ in model.blocks[a + k].named_parameters()}
+    ref_params = dict(ref.named_parameters())
+    assert mine
+    for n, p in model.named_parameters():
+        if n in mine:
+            assert p.grad is not None, n
+            torch.testing.assert_close(p.grad, ref_params[n].grad, **TOL, msg=n)
+        else:
+            assert p.grad is None, f"{n} belongs to another stage but got a gradient"
+    ref_bufs = dict(ref.named_buffers())
+    for n, t in model.named_buffers():
+        if any(n.startswith(f"blocks.{a + k}.") for k in range(b - a)):
+            torch.testing.assert_close(t, ref_bufs[n], **TOL, msg=n)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["unet", "resnet"])
+def test_pipeline_equals_micro_batched_serial(comm, pipelined, name, kind):
+    """Training-mode BatchNorm: gradients, loss and running stats equal the serial run over
+    the same micro-batches, for every layout that fits this world size."""
+    if not layouts(comm):
+        pytest.skip(f"no pipeline layout for {comm.size} ranks")
+    batch = make_batch(11)
+    for stages, grid in layouts(comm):
+        replicas = comm.size // (stages * grid[0] * grid[1] * grid[2])
+        m = min(3, GLOBAL_BATCH // replicas)
+        ref = build(name)
+        model = copy.deepcopy(ref)
+        groups = [sum((micro_samples(replicas, m)[r][i] for r in range(replicas)), [])
+                  for i in range(m)]
+        ref_loss = oracle(ref, batch, name, groups)
+        pos, plan, loss = pipelined(comm, model, batch, name, stages, grid, kind, m)
+        assert loss == pytest.approx(ref_loss, rel=1e-10), (stages, grid)
+        compare(model, ref, plan.stages[pos.stage], pos)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_pipeline_eval_bn_equals_full_batch(comm, pipelined, kind):
+    """With BatchNorm in eval mode micro-batching is invisible: the pipelined step equals the
+    plain full-batch serial step (U-Net, skips crossing stages where the layout has 3+)."""
+    if not layouts(comm):
+        pytest.skip(f"no pipeline layout for {comm.size} ranks")
+    batch = make_batch(12)
+    for stages, grid in layouts(comm):
+        replicas = comm.size // (stages * grid[0] * grid[1] * grid[2])
+        ref = build("unet").eval()
+        model = copy.deepcopy(ref)
+        ref_loss = oracle(ref, batch, "unet", [list(range(GLOBAL_BATCH))])
+        pos, plan, loss = pipelined(comm, model, batch, "unet", stages, grid, kind,
+                                    GLOBAL_BATCH // replicas)
+        assert loss == pytest.approx(ref_loss, rel=1e-10)
+        compare(model, ref, plan.stages[pos.stage], pos)
+
+
+@pytest.mark.parametrize("name", ["unet", "resnet"])
+def test_forward_only_pipeline_equals_serial_eval(comm, pipelined, name):
+    """Evaluation: forward actions only, no gradients anywhere, the serial eval loss."""
+    if not layouts(comm):
+        pytest.skip(f"no pipeline layout for {comm.size} ranks")
+    batch = make_batch(13)
+    for stages, grid in layouts(comm):
+        replicas = comm.size // (stages * grid[0] * grid[1] * grid[2])
+        ref = build(name).eval()
+        model = copy.deepcopy(ref)
+        with torch.no_grad():
+            ref_loss = oracle(ref, batch, name, [list(range(GLOBAL_BATCH))])
+        _, _, loss = pipelined(comm, model, batch, name, stages, grid, "1f1b",
+                               min(3, GLOBAL_BATCH // replicas), False)
+        assert loss == pytest.approx(ref_loss, rel=1e-10)
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_bad_balance_fails_on_every_rank(comm):
+    model = build("unet")
+    arities = [b.carry_arity for b in model.blocks]
+    with pytest.raises(PipelineError) as err:
+        plan_carry(arities, [2, 3])
+    msg = str(err.value)
+    assert "sums to 5 but the model has 6 blocks" in msg
+    assert len(set(comm.allgather(msg))) == 1
+
+
+def test_balance_not_matching_stages_fails_on_every_rank(comm):
+    model = build("unet")
+    ctx = ParallelContext(comm, RankLayout.from_world(comm.size))  # one stage, n replicas
+    with pytest.raises(PipelineError) as err:
+        Pipeline(model, ctx, balance="3,3", schedule="gpipe", micro_batches=2)
+    msg = str(err.value)
+    assert "--balance 3,3 names 2 stage(s) but --stages is 1" in msg
+    assert len(set(comm.allgather(msg))) == 1
+
+
+def test_stages_not_dividing_ranks_fail_on_every_rank(comm):
+    stages = 2 if comm.size % 2 else 3
+    with pytest.raises(LayoutError) as err:
+        RankLayout.from_world(comm.size, stages=stages)
+    assert f"does not divide the {comm.size} ranks" in str(err.value)
+    assert comm.allreduce(1) == comm.size  # every rank got here, nobody hangs
+
+
+def test_stage_link_round_trip(comm):
+    """A carry (sparse with a strided kernel map, an empty box, a dense tensor) crosses from
+    rank 0 to rank 1 with its sizes, the map is rebuilt equal, and gradients come back."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    from halo.transport.mpi import MPITransport
+    from sparsepipe_hpc.nn import SparseConv3d
+    from sparsepipe_hpc.pipeline.p2p import StageLink
+
+    def carry():
+        x, _, _ = make_batch(5)
+        x.feats.requires_grad_(True)
+        SparseConv3d(3, 2, 2, 2, indice_key="down1").double()(x)  # fills x.kmaps["down1"]
+        empty = SparseTensor(torch.zeros(0, 4, dtype=torch.int32), torch.zeros(0, 5), SHAPE, 1, 2)
+        return [x, empty, torch.arange(6.0).reshape(2, 3)]
+
+    link = StageLink(MPITransport(comm.Dup()))
+    mine = carry()
+    if comm.rank == 0:
+        sends = link.send_carry(1, 7, mine)
+        pending = link.post_grads(1, 7, mine)
+        grads = link.finish_grads(pending)
+        for r in sends:
+            r.wait()
+        torch.testing.assert_close(grads[0], 2 * mine[0].feats.detach(), rtol=0, atol=0)
+        assert grads[1] is None and grads[2] is None
+    elif comm.rank == 1:
+        got = link.finish_carry(link.post_carry(0, 7))
+        x, empty, dense = got
+        assert torch.equal(x.coords, mine[0].coords) and torch.equal(x.feats, mine[0].feats)
+        assert (x.spatial_shape, x.batch_size, x.stride) == (SHAPE, GLOBAL_BATCH, 1)
+        assert x.feats.requires_grad and not empty.feats.requires_grad
+        assert empty.num_voxels == 0 and empty.num_channels == 5 and empty.stride == 2
+        assert torch.equal(dense, mine[2])
+        assert x.kmaps is empty.kmaps and set(x.kmaps) == {"down1"}
+        want, rebuilt = mine[0].kmaps["down1"], x.kmaps["down1"]
+        assert rebuilt.in_coords is x.coords
+        assert torch.equal(rebuilt.out_coords, want.out_coords)
+        for f in ("in_rows", "out_rows", "ptr"):
+            assert torch.equal(getattr(rebuilt.kmap, f), getattr(want.kmap, f)), f
+        for r in link.send_grads(0, 7, [2 * x.feats.detach(), None, None]):
+            r.wait()

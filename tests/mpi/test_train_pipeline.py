@@ -1,0 +1,115 @@
+"""The trainer's pipeline options (--stages, --balance, --micro-batches, --pipeline-schedule)
+under real mpirun: a pipelined run equals the single-process run over the same micro-batches,
+its checkpoint holds every stage's weights, a resumed run continues it, bad options fail on
+every rank.
+
+The single-process oracle runs ``--micro-batches m`` on one stage (the same micro-batches, so
+BatchNorm sees the same statistics); only layouts with one replica are compared here (with
+replicas, micro-batch i spans every replica's i-th samples: tests/mpi/test_pipeline.py covers
+that at the executor level). SGD, as in test_train_parallel.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from sparsepipe_hpc.train import checkpoint as ck
+from sparsepipe_hpc.train.config import ConfigError, parse_config
+from sparsepipe_hpc.train.loop import SetupError, Trainer
+from sparsepipe_hpc.train.metrics import read_metrics
+
+# (stages, grid, balance) per world size, one replica each; seg (U-Net depth 2: 6 blocks).
+LAYOUTS = {2: [(2, "1,1,1", "2,4")], 3: [(3, "1,1,1", "2,2,2")],
+           4: [(2, "2,1,1", "3,3"), (4, "1,1,1", "1,1,2,2")]}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    comm = MPI.COMM_WORLD
+    root = None
+    if comm.rank == 0:
+        from sparsepipe_hpc.data.synth import generate_scenes
+
+        root = tmp_path_factory.mktemp("shared")
+        generate_scenes(root, train=8, val=3, seed=1, objects=(2, 4), points=(1200, 2000))
+    return Path(comm.bcast(str(root) if root else None, root=0))
+
+
+def config(shared: Path, out: Path, *extra: str):
+    return parse_config([
+        "--task", "seg", "--data", str(shared / "scenes"), "--out", str(out), "--width", "4",
+        "--depth", "2", "--steps", "3", "--lr", "0.05", "--optimizer", "sgd", "--voxel-size",
+        "0.25", "--batch-size", "4", "--micro-batches", "3", "--no-progress", *extra])
+
+
+def curve(out: Path, comm) -> list[float]:
+    return comm.bcast([r["loss"] for r in read_metrics(out / "metrics.jsonl", "train")]
+                      if comm.rank == 0 else None)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_pipelined_trainer_equals_single_process(comm, shared, tmp_path, kind):
+    if comm.size not in LAYOUTS:
+        pytest.skip(f"no one-replica pipeline layout for {comm.size} ranks")
+    single_out = tmp_path / "single"
+    single = Trainer(config(shared, single_out), MPI.COMM_SELF, log=None)
+    res_s = single.run()
+    ref = {k: v.detach().clone() for k, v in single.model.state_dict().items()}
+    for stages, grid, balance in LAYOUTS[comm.size]:
+        out = shared / f"pipe-{kind}-{comm.size}-{stages}"
+        t = Trainer(config(shared, out, "--stages", str(stages), "--grid", grid, "--balance",
+                           balance, "--pipeline-schedule", kind), comm, log=None)
+        assert t.layout.stages == stages and t.layout.replicas == 1
+        res = t.run()
+        assert curve(out, comm) == pytest.approx(curve(single_out, MPI.COMM_SELF), rel=1e-5)
+        assert res["eval"]["oa"] == pytest.approx(res_s["eval"]["oa"], abs=1e-6)
+        assert res["eval"]["voxels"] == res_s["eval"]["voxels"]
+        # The checkpoint (rank 0 writes it) holds every stage's trained weights and buffers.
+        saved = ck.load_checkpoint(out / "last.pt")
+        assert len(saved["optimizer_stages"]) == stages
+        for k, v in ref.items():
+            assert torch.allclose(saved["model"][k].double(), v.double(), rtol=1e-4,
+                                  atol=1e-5), k
+
+
+def test_pipelined_resume_equals_uninterrupted(comm, shared):
+    if comm.size not in LAYOUTS:
+        pytest.skip(f"no one-replica pipeline layout for {comm.size} ranks")
+    stages, grid, balance = LAYOUTS[comm.size][-1]
+    # A constant rate: the cosine of a 2-step run is not the first 2 steps of a 3-step one.
+    opts = ("--stages", str(stages), "--grid", grid, "--balance", balance, "--schedule",
+            "constant")
+    full, part = shared / f"full-{comm.size}", shared / f"part-{comm.size}"
+    Trainer(config(shared, full, *opts), comm, log=None).run()
+    Trainer(config(shared, part, *opts, "--steps", "2"), comm, log=None).run()
+    resumed = Trainer(config(shared, part, *opts, "--resume", "auto"), comm, log=None)
+    assert resumed.step == 2
+    resumed.run()
+    assert curve(part, comm) == curve(full, comm)  # bitwise: same ranks, same order
+    a, b = ck.load_checkpoint(full / "last.pt"), ck.load_checkpoint(part / "last.pt")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_bad_balance_fails_on_every_rank(comm, shared):
+    if comm.size % 2:
+        pytest.skip("needs an even world size")
+    with pytest.raises(SetupError, match="--balance 2,3 sums to 5 but the model has 6 blocks"):
+        Trainer(config(shared, shared / f"bad-{comm.size}", "--stages", "2", "--balance", "2,3",
+                       "--grid", "1,1,1", "--micro-batches", "1"), comm, log=None)
+
+
+def test_too_many_micro_batches_fail_on_every_rank(comm, shared):
+    with pytest.raises(ConfigError, match="--micro-batches 5 needs at least that many samples"):
+        Trainer(config(shared, shared / "never", "--micro-batches", "5", "--stages",
+                       str(comm.size)), comm, log=None)
+
+
+def test_stages_not_dividing_ranks_fail_on_every_rank(comm, shared):
+    stages = 2 if comm.size % 2 else 3
+    with pytest.raises(ConfigError, match=f"does not divide the {comm.size} ranks"):
+        Trainer(config(shared, shared / "never", "--stages", str(stages)), comm, log=None)
