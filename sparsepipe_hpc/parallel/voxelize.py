@@ -1,0 +1,229 @@
+"""Distributed voxelization: each rank of a spatial group holds part of the points, each ends with
+the voxels of its box, equal to the single-process voxelization of all the points.
+
+    grid = ProcessGrid(spatial_comm, (2, 1, 1))
+    v = distributed_voxelize(grid, batch, xyz, feats, index, voxel_size=0.05, origin=origin,
+                             spatial_shape=shape, labels=lab, num_classes=13, cuts="balanced",
+                             align=16)
+    v.coords        # int32 [n, 4] (batch, x, y, z) global voxel indices inside v.cuts' box of
+                    # this rank, sorted by (batch, x, y, z)
+    v.feats         # float32 [n, C]: mean feature of the voxel's points, over ALL ranks' points
+    v.labels        # int64 [n]: majority label over all ranks' points (ties: smallest label)
+    v.point_owner   # int64 [p]: grid rank holding the voxel of each of THIS rank's points
+    v.point_row     # int64 [p]: that voxel's row in the owner's v.coords
+
+Inputs per rank (any disjoint split of a batch's points, a rank may hold none): ``batch int [p]``
+sample of each point, ``points [p, 3]`` metres (float64; float32 is widened like
+:func:`sparsepipe_hpc.voxelize.voxelize` does), ``feats float32 [p, C]``, ``index int64 [p]`` the
+point's position in its sample (distinct within a sample), ``labels int [p]``.
+
+How (three steps, every one collective over ``grid.comm``)::
+
+    1. quantize   idx = floor((point - origin) / voxel_size), float64, as voxelize() does
+    2. cuts       uniform, explicit, or balanced: every rank sends the keys of the voxels it saw
+                  to a hash rank (key % size), which counts each distinct voxel once in the
+                  all-reduced histograms of halo.balanced_cuts - a voxel whose points lie on 2
+                  ranks is not counted twice
+    3. owners     every POINT (key, index, features, label) moves to the rank owning its voxel
+                  (Alltoallv); the owner sorts them by index and sums features in that
+                  order with the same code as voxelize() (merge_points)
+
+Exactness: moving points rather than per-rank partial sums costs a little more traffic (each point
+moves once; partial sums would move fewer rows) but makes the float32 feature sums bit-identical
+to the single-process ones, whose order is the points' order in the sample. Partial sums in
+float64 would only be exact for benign feature ranges. Labels are integer votes: exact anyway.
+
+Errors: bad input on any rank (NaN/inf coordinates or features, points off the grid, labels out
+of range, ranks disagreeing on channels, batch size or classes) raises :class:`VoxelizeError` on
+every rank before the first exchange, naming the rank, the input and the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from halo.cuts import Cuts, balanced_cuts, uniform_cuts
+from halo.grid import ProcessGrid
+from halo.kmap import coord_keys, decode_keys
+from halo.ownership import owner_ranks
+from sparsepipe_hpc.parallel.rows import send_rows
+from sparsepipe_hpc.voxelize import VoxelizeError, merge_points
+
+__all__ = ["LocalVoxels", "distributed_voxelize", "agree"]
+
+
+@dataclass
+class LocalVoxels:
+    """This rank's voxels after :func:`distributed_voxelize` (fields: see the module docstring)."""
+
+    coords: torch.Tensor
+    feats: torch.Tensor
+    labels: Optional[torch.Tensor]
+    cuts: Cuts
+    point_owner: torch.Tensor
+    point_row: torch.Tensor
+
+
+def agree(comm: Any, fn: Callable[[], Any], error: type = VoxelizeError) -> Any:
+    """Run ``fn`` on every rank of ``comm``; if it raised anywhere, raise everywhere (collective).
+
+    The rank that failed re-raises its own exception; the others raise ``error`` with the first
+    failing rank's message, so none is left waiting in a later collective.
+    """
+    message: Optional[str] = None
+    caught: Optional[BaseException] = None
+    value = None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        caught = e
+        message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    messages = comm.allgather(message)
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if caught is not None:
+        raise caught
+    if failed:
+        rank, msg = failed[0]
+        raise error(f"rank {rank} of {len(messages)}: {msg}")
+    return value
+
+
+def _quantize(batch: torch.Tensor, points: torch.Tensor, feats: torch.Tensor,
+              index: torch.Tensor, labels: Optional[torch.Tensor], voxel_size: float,
+              origin: Sequence[float], spatial_shape: Sequence[int], batch_size: int,
+              num_classes: Optional[int], name: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Check this rank's points and return (keys int64 [p], index, feats, labels)."""
+    p = len(points)
+    if points.dim() != 2 or points.shape[1] != 3:
+        raise VoxelizeError(f"{name} must be [p, 3]; got {list(points.shape)}")
+    if feats.dim() != 2 or len(feats) != p:
+        raise VoxelizeError(f"features of {name} must be [{p}, C]; got {list(feats.shape)}")
+    for what, t in (("batch", batch), ("index", index)) + ((("labels", labels),) if labels is not None else ()):
+        if t.shape != (p,):
+            raise VoxelizeError(f"{what} of {name} must be [{p}]; got {list(t.shape)}")
+    if not voxel_size > 0:
+        raise VoxelizeError(f"voxel_size must be > 0; got {voxel_size}")
+    if not torch.isfinite(points).all():
+        bad = (~torch.isfinite(points)).any(1)
+        i = int(bad.nonzero()[0])
+        raise VoxelizeError(f"{name} has {int(bad.sum())} point(s) with NaN or inf coordinates; "
+                            f"first: point {int(index[i])} of sample {int(batch[i])}")
+    if not torch.isfinite(feats).all():
+        raise VoxelizeError(f"features of {name} contain NaN or inf")
+    if p and (int(batch.min()) < 0 or int(batch.max()) >= batch_size):
+        raise VoxelizeError(f"batch of {name} must lie in [0, {batch_size}); got "
+                            f"[{int(batch.min())}, {int(batch.max())}]")
+    if labels is not None and p and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise VoxelizeError(f"labels of {name} must lie in [0, {num_classes - 1}]; "
+                            f"got [{int(labels.min())}, {int(labels.max())}]")
+    shape = torch.tensor(list(spatial_shape), dtype=torch.int64)
+    idx = torch.floor((points - torch.tensor(list(origin), dtype=torch.float64))
+                      / voxel_size).long()  # the same expression as voxelize(): same indices
+    inside = ((idx >= 0) & (idx < shape)).all(1)
+    if not bool(inside.all()):
+        i = int((~inside).nonzero()[0])
+        raise VoxelizeError(
+            f"{name}: {int((~inside).sum())} point(s) fall outside the grid (origin "
+            f"{tuple(origin)}, {tuple(spatial_shape)} voxels of {voxel_size} m); first: point "
+            f"{int(index[i])} of sample {int(batch[i])} at {points[i].tolist()} -> voxel "
+            f"{idx[i].tolist()}. Enlarge the grid")
+    coords = torch.cat([batch.long()[:, None], idx], 1)
+    return coord_keys(coords), index, feats, labels
+
+
+def _check_same(comm: Any, what: dict[str, Any]) -> None:
+    seen = comm.allgather(what)
+    for k in what:
+        values = [s[k] for s in seen]
+        if len(set(values)) > 1:
+            raise VoxelizeError(f"the ranks of the spatial group disagree on {k}: "
+                                + ", ".join(f"rank {r} {v}" for r, v in enumerate(values))
+                                + "; every rank must pass the same")
+
+
+def _cuts(grid: ProcessGrid, keys: torch.Tensor, spatial_shape: Sequence[int],
+          cuts: str | Cuts, align: int) -> Cuts:
+    extent = [int(s) for s in spatial_shape]
+    if isinstance(cuts, Cuts):
+        if cuts.dims != grid.dims or list(cuts.extent) != extent:
+            raise VoxelizeError(f"explicit cuts {cuts} are for a grid {cuts.dims} over extent "
+                                f"{cuts.extent}; the grid is {grid.dims} and the extent "
+                                f"{tuple(extent)} voxels")
+        return cuts
+    if cuts == "uniform":
+        return uniform_cuts(extent, grid.dims, align=align)
+    if cuts != "balanced":
+        raise VoxelizeError(f"cuts must be 'balanced', 'uniform' or a Cuts; got {cuts!r}")
+    # Each distinct voxel must be counted once: send the keys this rank saw to a hash rank.
+    mine = torch.unique(keys)
+    moved = send_rows(grid.comm, mine % grid.size, mine)
+    distinct = torch.unique(moved.rows[0])
+    xyz = decode_keys(distinct)[:, 1:]
+    return balanced_cuts(grid.comm, xyz, extent, grid.dims, align=align)
+
+
+def distributed_voxelize(grid: ProcessGrid, batch: torch.Tensor, points: torch.Tensor,
+                         feats: torch.Tensor, index: torch.Tensor, voxel_size: float,
+                         origin: Sequence[float], spatial_shape: Sequence[int],
+                         labels: Optional[torch.Tensor] = None,
+                         num_classes: Optional[int] = None, batch_size: int = 1,
+                         cuts: str | Cuts = "balanced", align: int = 1,
+                         name: str = "points") -> LocalVoxels:
+    """Voxelize points spread over ``grid.comm`` into each rank's box (collective).
+
+    See the module docstring for the contracts. ``cuts``: ``"balanced"`` (voxel-count quantiles,
+    exactly what :meth:`SpatialGroup.decompose` computes from the whole batch), ``"uniform"``, or
+    explicit :class:`halo.Cuts`; interior cuts are multiples of ``align`` (level-0 voxels).
+    ``num_classes`` is required with ``labels`` (ranks see different labels, so none may guess
+    it from its own). Raises VoxelizeError on every rank for bad input on any rank.
+    """
+    points = torch.as_tensor(np.asarray(points) if not isinstance(points, torch.Tensor)
+                             else points).to(torch.float64)
+    feats = torch.as_tensor(feats).to(torch.float32)
+    batch = torch.as_tensor(batch).long()
+    index = torch.as_tensor(index).long()
+    if labels is not None:
+        labels = torch.as_tensor(labels).long()
+
+    def check() -> tuple:
+        if labels is not None and num_classes is None:
+            raise VoxelizeError("distributed_voxelize: pass num_classes with labels (each rank "
+                                "sees only some labels, so none can infer the class count)")
+        return _quantize(batch, points, feats, index, labels, voxel_size, origin, spatial_shape,
+                         batch_size, num_classes, name)
+
+    keys, index, feats, labels = agree(grid.comm, check)
+    _check_same(grid.comm, {"feature channels": int(feats.shape[1] if feats.dim() == 2 else -1),
+                            "batch size": int(batch_size), "classes": num_classes,
+                            "labels given": labels is not None,
+                            "grid": (tuple(spatial_shape), tuple(float(o) for o in origin),
+                                     float(voxel_size)),
+                            "cuts": repr(cuts), "align": int(align)})
+    from mpi4py import MPI
+
+    per_sample = np.bincount(batch.numpy(), minlength=batch_size).astype(np.int64)
+    grid.comm.Allreduce(MPI.IN_PLACE, per_sample, op=MPI.SUM)
+    if (per_sample == 0).any():  # every rank sees the same sums: all raise alike
+        raise VoxelizeError(f"{name}: sample {int(np.argmin(per_sample))} has no points on any "
+                            "rank; a sample needs at least one point")
+    box_cuts = agree(grid.comm, lambda: _cuts(grid, keys, spatial_shape, cuts, align))
+    owner = owner_ranks(grid, box_cuts, decode_keys(keys))
+    payload = (keys, index, feats) + ((labels,) if labels is not None else ())
+    moved = send_rows(grid.comm, owner, *payload)
+    r_keys, r_index, r_feats = moved.rows[:3]
+    r_labels = moved.rows[3] if labels is not None else None
+    # The serial summation order within a voxel is the sample's point order (a voxel holds
+    # points of one sample only), so sorting by index is enough.
+    order = torch.sort(r_index, stable=True)[1]
+    u_keys, mean, inverse, vox_labels = merge_points(
+        r_keys[order], r_feats[order], r_labels[order] if r_labels is not None else None,
+        num_classes or 0)
+    rows = torch.empty(len(order), dtype=torch.int64)
+    rows[order] = inverse
+    (point_row,) = moved.reply(rows)
+    return LocalVoxels(decode_keys(u_keys), mean, vox_labels, box_cuts, owner, point_row)
