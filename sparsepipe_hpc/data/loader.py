@@ -41,7 +41,8 @@ from sparsepipe_hpc.sparse import MAX_EXTENT, SparseTensor
 from sparsepipe_hpc.voxelize import voxelize
 
 __all__ = ["Batch", "GridSizeError", "JITTER", "augment_margin", "collate", "grid_for",
-           "augment_points", "Sample", "SceneDataset", "ModelNetDataset", "ShardedBatches"]
+           "augment_points", "augment_points_range", "Sample", "SceneDataset", "ModelNetDataset",
+           "ShardedBatches"]
 
 #: Default standard deviation (metres) of the per-point jitter of :func:`augment_points`.
 JITTER = 0.005
@@ -188,6 +189,56 @@ def augment_points(points: torch.Tensor, origin: Sequence[float], spatial_shape:
         p = p[:, [1, 0, 2]]
     if jitter > 0:
         noise = torch.randn(p.shape, generator=generator, dtype=torch.float64) * jitter
+        p = p + noise.clamp_(-3 * jitter, 3 * jitter)
+    return p + centre
+
+
+#: Rows per draw when :func:`augment_points_range` streams the jitter (a multiple of 16: torch's
+#: CPU normal sampler works in blocks of 16, which makes a chunked draw equal one whole draw).
+NOISE_CHUNK = 1 << 16
+
+
+def _noise_rows(total: int, start: int, stop: int, generator: Optional[torch.Generator]
+                ) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``torch.randn((total, 3), generator=generator)``, float64,
+    drawn in chunks of :data:`NOISE_CHUNK` rows up to ``stop`` (memory: one chunk; time: the rows
+    before ``stop``). The last chunk takes the remainder, so it has at least NOISE_CHUNK rows."""
+    out = torch.empty((stop - start, 3), dtype=torch.float64)
+    pos = 0
+    while pos < stop:
+        n = total - pos if total - pos < 2 * NOISE_CHUNK else NOISE_CHUNK
+        chunk = torch.randn((n, 3), generator=generator, dtype=torch.float64)
+        lo, hi = max(pos, start), min(pos + n, stop)
+        if lo < hi:
+            out[lo - start:hi - start] = chunk[lo - pos:hi - pos]
+        pos += n
+    return out
+
+
+def augment_points_range(points: torch.Tensor, start: int, total: int, origin: Sequence[float],
+                         spatial_shape: Sequence[int], voxel_size: float,
+                         generator: Optional[torch.Generator], jitter: float = JITTER
+                         ) -> torch.Tensor:
+    """Rows ``[start, start + len(points))`` of ``augment_points(all_points, ...)`` for a sample of
+    ``total`` points, given only those rows ``points [p, 3]`` float64 (m): the same flips, swap
+    and per-point jitter, bit for bit, from a generator in the same state. For a spatial rank
+    that read a hyperslab of the sample."""
+    stop = start + len(points)
+    if not 0 <= start <= stop <= total:
+        raise ValueError(f"augment_points_range: rows [{start}, {stop}) are not inside a sample "
+                         f"of {total} points")
+    centre = torch.tensor([o + s * voxel_size / 2 for o, s in zip(origin, spatial_shape)],
+                          dtype=torch.float64)
+    coin = torch.rand(3, generator=generator, dtype=torch.float64)
+    p = points - centre
+    if coin[0] < 0.5:
+        p[:, 0] = -p[:, 0]
+    if coin[1] < 0.5:
+        p[:, 1] = -p[:, 1]
+    if coin[2] < 0.5 and spatial_shape[0] == spatial_shape[1]:
+        p = p[:, [1, 0, 2]]
+    if jitter > 0:
+        noise = _noise_rows(total, start, stop, generator) * jitter
         p = p + noise.clamp_(-3 * jitter, 3 * jitter)
     return p + centre
 

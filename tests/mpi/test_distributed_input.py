@@ -199,3 +199,136 @@ def test_off_grid_or_disagreeing_ranks_raise_everywhere(comm, rng):
         with pytest.raises(VoxelizeError, match="disagree on feature channels"):
             distributed_voxelize(grid, torch.zeros(len(mine), dtype=torch.long), t(p[mine]),
                                  t(f[mine][:, :c]), t(mine), VOXEL, ORIGIN, SHAPE)
+
+
+# --- the entry point: a file, sample indices, this rank's hyperslab ------------------------------
+
+def scene_file(comm, tmp_path_factory, scenes, name="scenes.h5"):
+    """Write ``scenes`` on rank 0 into a directory every rank agrees on; return the path."""
+    from sparsepipe_hpc.data.scenes import write_scenes
+
+    path = None
+    if comm.rank == 0:
+        path = str(tmp_path_factory.mktemp("dist") / name)
+        write_scenes(path, scenes, class_names=[f"c{k}" for k in range(CLASSES)])
+    path = comm.bcast(path)
+    comm.Barrier()
+    return path
+
+
+def room(rng, n):
+    centres = rng.uniform([0, 0, 0], [3.0, 2.4, 2.0], (5, 3))
+    xyz = centres[rng.integers(0, 5, n)] + rng.normal(0, 0.3, (n, 3))
+    xyz = np.clip(xyz, [0, 0, 0], [3.0, 2.4, 2.0])
+    rgb = rng.integers(0, 256, (n, 3)).astype(np.uint8)
+    return xyz, rgb, rng.integers(0, CLASSES, n)
+
+
+def layout_ctx(comm, dims, cuts):
+    from sparsepipe_hpc.parallel.context import ParallelContext
+    from sparsepipe_hpc.parallel.layout import RankLayout
+
+    return ParallelContext(comm, RankLayout(1, 1, dims), cuts=cuts)
+
+
+@pytest.fixture
+def scenes(comm, rng, tmp_path_factory):
+    from sparsepipe_hpc.data.scenes import SceneDataset
+
+    rooms = [(f"room_{k}", *room(rng, n)) for k, n in enumerate([3001, 1200, 2500])]
+    return SceneDataset(scene_file(comm, tmp_path_factory, rooms))
+
+
+@pytest.mark.parametrize("dims", ALL_GRIDS)
+@pytest.mark.parametrize("mode", ["balanced", "uniform"])
+def test_read_distributed_equals_distribute(comm, scenes, dims, mode):
+    from sparsepipe_hpc.data.loader import collate, grid_for
+    from sparsepipe_hpc.data.sharding import ShardedBatches
+    from sparsepipe_hpc.parallel.input import read_distributed
+
+    need(comm, dims)
+    ctx = layout_ctx(comm, dims, mode)
+    origin, shape = grid_for(scenes, 0.1, multiple=4)
+    batches = ShardedBatches(len(scenes), batch_size=2, replicas=1, rank=0, seed=5)
+    idx = [2, 0]
+    for augment in (False, True):
+        gens = batches.sample_generators(idx, 1) if augment else None
+        full = collate([scenes[i] for i in idx], 0.1, origin, shape, augment=augment,
+                       generator=batches.sample_generators(idx, 1) if augment else None)
+        want_x, want_y = ctx.distribute(full.x, full.labels, align=4)
+        got = read_distributed(ctx, scenes, idx, 0.1, origin, shape, generators=gens, align=4)
+        assert torch.equal(got.x.coords, want_x.coords)
+        assert torch.equal(got.x.feats, want_x.feats)
+        assert torch.equal(got.labels, want_y)
+        assert got.x.batch_size == 2 and got.x.spatial_shape == tuple(shape)
+        if ctx.group is not None:
+            assert got.x.context.spatial.cuts == want_x.context.spatial.cuts
+        # point -> voxel, against the batch's map
+        every = comm.allgather(got.x.coords)
+        for b in range(2):
+            start = got.point_start[b]
+            want = full.x.coords[full.offsets[b] + full.point_to_voxel[b][start:start + len(
+                got.point_row[b])]]
+            have = torch.stack([every[int(o)][int(r)] for o, r in
+                                zip(got.point_owner[b], got.point_row[b])])
+            assert torch.equal(have, want)
+            assert torch.equal(got.point_labels[b],
+                               full.point_labels[b][start:start + len(got.point_row[b])])
+        held = comm.allreduce(sum(len(r) for r in got.point_row))
+        assert held == sum(scenes.sizes[i] for i in idx)  # every point read exactly once
+
+
+@pytest.mark.parametrize("mode", ["balanced", "uniform"])
+def test_unet_on_distributed_input_equals_serial(comm, scenes, mode):
+    import copy
+
+    from sparsepipe_hpc.data.loader import collate, grid_for
+    from sparsepipe_hpc.data.sharding import ShardedBatches
+    from sparsepipe_hpc.nn import SparseUNet
+    from sparsepipe_hpc.parallel.input import read_distributed
+
+    dims = grids(comm.size)[0]
+    ctx = layout_ctx(comm, dims, mode)
+    origin, shape = grid_for(scenes, 0.1, multiple=4)
+    gens = lambda: ShardedBatches(3, 2, seed=1).sample_generators([1, 2], 0)  # noqa: E731
+    full = collate([scenes[i] for i in (1, 2)], 0.1, origin, shape, augment=True,
+                   generator=gens())
+    torch.manual_seed(0)
+    serial = SparseUNet(3, CLASSES, width=4, depth=2).double()
+    dist = copy.deepcopy(serial)
+    x = full.x.replace(feats=full.x.feats.double())
+    loss = torch.nn.functional.cross_entropy(serial(x).feats, full.labels)
+    loss.backward()
+    got = read_distributed(ctx, scenes, [1, 2], 0.1, origin, shape, generators=gens(), align=4)
+    out = dist(got.x.replace(feats=got.x.feats.double()))
+    share = torch.nn.functional.cross_entropy(out.feats, got.labels, reduction="sum") / \
+        ctx.global_count(len(got.labels))
+    share.backward()
+    total = ctx.allreduce(share.detach().clone())
+    torch.testing.assert_close(total, loss.detach(), rtol=1e-9, atol=1e-10)
+    ctx.allreduce_gradients(dist)
+    for (name, ps), pd in zip(serial.named_parameters(), dist.parameters()):
+        torch.testing.assert_close(pd.grad, ps.grad, rtol=1e-9, atol=1e-10,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("fault", ["nan", "label"])
+def test_corrupt_hyperslab_raises_on_every_rank(comm, rng, tmp_path_factory, fault):
+    """The fault sits in the last rank's range only: every rank must raise, none may hang."""
+    from sparsepipe_hpc.data.checks import DataFormatError
+    from sparsepipe_hpc.data.scenes import SceneDataset
+    from sparsepipe_hpc.parallel.input import point_range, read_distributed
+
+    xyz, rgb, lab = room(rng, 900)
+    start, stop = point_range(900, comm.size - 1, comm.size)
+    if fault == "nan":
+        xyz[stop - 1, 0] = np.nan
+    else:
+        lab[start] = CLASSES + 2
+    path = scene_file(comm, tmp_path_factory, [("room", xyz, rgb, lab)], f"bad_{fault}.h5")
+    ds = SceneDataset(path, check="structure")  # the full scan at open would refuse it
+    ctx = layout_ctx(comm, grids(comm.size)[0], "balanced")
+    rule = "must be finite" if fault == "nan" else r"must lie in \[0, 4\]"
+    where = rf"xyz\[{start}:{stop}\]" if fault == "nan" else rf"label\[{start}:{stop}\]"
+    with pytest.raises(DataFormatError, match=rf"{where}.*{rule}"):
+        read_distributed(ctx, ds, [0], 0.1, (-0.5, -0.5, -0.5), (48, 40, 32))

@@ -1,0 +1,130 @@
+"""Distributed input: each spatial rank reads its share of a batch's points from the file, and ends
+with the voxels of its box, the context attached (what ``ctx.distribute`` gives from a whole batch).
+
+    ctx = ParallelContext(MPI.COMM_WORLD, RankLayout.from_world(4, grid=(4, 1, 1)))
+    ds = SceneDataset("train.h5")
+    origin, shape = grid_for(ds, voxel_size=0.05)
+    b = read_distributed(ctx, ds, [3, 8], 0.05, origin, shape, align=model.total_stride,
+                         generators=batches.sample_generators([3, 8]))  # None: no augmentation
+    logits = model(b.x)                  # b.x: this rank's voxels, context attached
+    loss_share = F.cross_entropy(logits.feats, b.labels, reduction="sum") / ctx.global_count(...)
+
+Who reads what: rank ``r`` of the spatial group (``n`` ranks) reads points
+``[r * P // n, (r + 1) * P // n)`` of each sample (``P`` points) through HDF5 hyperslabs
+(:meth:`SceneDataset.read_range`): never the whole sample. Augmentation is
+:func:`~sparsepipe_hpc.data.loader.augment_points_range`, equal row for row to the single-process
+:func:`~sparsepipe_hpc.data.loader.collate`'s. Voxels then move to their owners
+(:func:`sparsepipe_hpc.parallel.voxelize.distributed_voxelize`): the result equals
+``ctx.distribute(collate(...).x, labels)`` exactly. Without spatial parallelism the rank reads
+whole samples.
+
+Errors: an unreadable or corrupt range (NaN coordinates, labels out of range, a failed read) on
+one rank raises on every rank: DataFormatError there, the same class naming that rank elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from halo.cuts import Cuts
+from halo.grid import ProcessGrid
+from sparsepipe_hpc.data.checks import DataFormatError
+from sparsepipe_hpc.data.loader import JITTER, augment_points_range
+from sparsepipe_hpc.parallel.voxelize import agree, distributed_voxelize
+from sparsepipe_hpc.sparse import SparseTensor
+
+__all__ = ["LocalBatch", "read_distributed", "point_range"]
+
+
+@dataclass
+class LocalBatch:
+    """This rank's share of a batch of ``B`` samples.
+
+    x             SparseTensor: coords int32 [n, 4] (batch, x, y, z) global voxel indices inside
+                  this rank's box, feats float32 [n, C]; context: the ParallelContext bound to
+                  the batch's decomposition (or the unbound one without spatial parallelism)
+    labels        int64 [n] majority label per voxel
+    point_start   B ints: the first point of each sample this rank read
+    point_labels  list of B int64 [p_b]: labels of the points this rank read
+    point_owner   list of B int64 [p_b]: spatial-grid rank holding each such point's voxel
+    point_row     list of B int64 [p_b]: that voxel's row in the owner's ``x``
+    """
+
+    x: SparseTensor
+    labels: torch.Tensor
+    point_start: list[int]
+    point_labels: list[torch.Tensor]
+    point_owner: list[torch.Tensor]
+    point_row: list[torch.Tensor]
+
+
+def point_range(num_points: int, rank: int, size: int) -> tuple[int, int]:
+    """``[start, stop)``: the points of a sample of ``num_points`` that ``rank`` of ``size`` reads."""
+    return rank * num_points // size, (rank + 1) * num_points // size
+
+
+def read_distributed(ctx: Any, dataset: Any, indices: Sequence[int], voxel_size: float,
+                     origin: Sequence[float], spatial_shape: Sequence[int], *,
+                     generators: Optional[Sequence[torch.Generator]] = None,
+                     jitter: float = JITTER, align: int = 1,
+                     cuts: Optional[Cuts] = None) -> LocalBatch:
+    """Read, augment and voxelize samples ``indices`` of ``dataset`` over ``ctx``'s spatial group.
+
+    Collective over the spatial group. ``dataset``: a :class:`SceneDataset` (``sizes``,
+    ``read_range``, ``num_classes``). ``generators``: one per sample, in the state
+    ``collate(..., augment=True, generator=generators)`` would get them (e.g.
+    ``ShardedBatches.sample_generators``); None: no augmentation. ``align`` and ``cuts`` as in
+    :meth:`ParallelContext.distribute`; the cut mode is the context's.
+    """
+    if len(indices) == 0:
+        raise ValueError("read_distributed: got no samples; a batch needs at least one")
+    if generators is not None and len(generators) != len(indices):
+        raise ValueError(f"read_distributed: got {len(generators)} generators for "
+                         f"{len(indices)} samples; pass one per sample")
+    spatial = ctx.group is not None
+    if spatial:
+        grid = ctx.group.grid
+    else:  # one rank: a 1x1x1 grid over its own communicator, made once per context
+        grid = getattr(ctx, "_input_grid", None)
+        if grid is None:
+            grid = ctx._input_grid = ProcessGrid(ctx.spatial_comm, (1, 1, 1))
+    rank, size = grid.rank, grid.size
+
+    def read() -> tuple:
+        parts = []
+        for b, i in enumerate(indices):
+            total = int(dataset.sizes[i])
+            start, stop = point_range(total, rank, size)
+            s = dataset.read_range(i, start, stop)
+            pts = torch.as_tensor(np.asarray(s.points), dtype=torch.float64)
+            if generators is not None:
+                pts = augment_points_range(pts, start, total, origin, spatial_shape, voxel_size,
+                                           generators[b], jitter)
+            parts.append((pts, torch.as_tensor(s.feats), torch.as_tensor(s.labels), start))
+        return tuple(parts)
+
+    parts = agree(grid.comm, read, DataFormatError)
+    batch = torch.cat([torch.full((len(p[0]),), b, dtype=torch.int64)
+                       for b, p in enumerate(parts)])
+    index = torch.cat([torch.arange(p[3], p[3] + len(p[0])) for p in parts])
+    v = distributed_voxelize(
+        grid, batch, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), index,
+        voxel_size, origin, spatial_shape, labels=torch.cat([p[2] for p in parts]),
+        num_classes=dataset.num_classes, batch_size=len(indices),
+        cuts=cuts if cuts is not None else ctx.cuts_mode, align=align,
+        name=f"samples {list(indices)} of {getattr(dataset, 'path', dataset)}")
+    if spatial:
+        from sparsepipe_hpc.parallel.spatial import SpatialDomain
+
+        context = ctx.bind(SpatialDomain(ctx.group, v.cuts))
+    else:
+        context = ctx
+    x = SparseTensor(v.coords, v.feats, tuple(spatial_shape), len(indices), context=context)
+    counts = [len(p[0]) for p in parts]
+    split = lambda t: list(torch.split(t, counts))  # noqa: E731
+    return LocalBatch(x, v.labels, [p[3] for p in parts], [p[2] for p in parts],
+                      split(v.point_owner), split(v.point_row))
