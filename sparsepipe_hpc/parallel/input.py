@@ -34,7 +34,8 @@ from halo.cuts import Cuts
 from halo.grid import ProcessGrid
 from sparsepipe_hpc.data.checks import DataFormatError
 from sparsepipe_hpc.data.loader import JITTER, augment_points_range
-from sparsepipe_hpc.parallel.voxelize import agree, distributed_voxelize
+from sparsepipe_hpc.parallel.voxelize import PointKeys, agree, quantize, voxelize_keys
+from sparsepipe_hpc.voxelize import VoxelizeError
 from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["LocalBatch", "read_distributed", "point_range"]
@@ -94,8 +95,11 @@ def read_distributed(ctx: Any, dataset: Any, indices: Sequence[int], voxel_size:
             grid = ctx._input_grid = ProcessGrid(ctx.spatial_comm, (1, 1, 1))
     rank, size = grid.rank, grid.size
 
-    def read() -> tuple:
-        parts = []
+    name = f"samples {list(indices)} of {getattr(dataset, 'path', dataset)}"
+
+    def read() -> tuple[PointKeys, list[int], list[torch.Tensor]]:
+        # One sample at a time: its float positions are dropped once quantized.
+        parts, starts, point_labels = [], [], []
         for b, i in enumerate(indices):
             total = int(dataset.sizes[i])
             start, stop = point_range(total, rank, size)
@@ -104,27 +108,30 @@ def read_distributed(ctx: Any, dataset: Any, indices: Sequence[int], voxel_size:
             if generators is not None:
                 pts = augment_points_range(pts, start, total, origin, spatial_shape, voxel_size,
                                            generators[b], jitter)
-            parts.append((pts, torch.as_tensor(s.feats), torch.as_tensor(s.labels), start))
-        return tuple(parts)
+            labels = torch.as_tensor(s.labels)
+            parts.append(quantize(torch.full((len(pts),), b, dtype=torch.int64), pts,
+                                  torch.as_tensor(s.feats), torch.arange(start, stop),
+                                  voxel_size, origin, spatial_shape, labels,
+                                  dataset.num_classes, len(indices), name))
+            starts.append(start)
+            point_labels.append(labels)
+            del s, pts
+        return PointKeys.cat(parts), starts, point_labels
 
-    parts = agree(grid.comm, read, DataFormatError)
-    batch = torch.cat([torch.full((len(p[0]),), b, dtype=torch.int64)
-                       for b, p in enumerate(parts)])
-    index = torch.cat([torch.arange(p[3], p[3] + len(p[0])) for p in parts])
-    v = distributed_voxelize(
-        grid, batch, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), index,
-        voxel_size, origin, spatial_shape, labels=torch.cat([p[2] for p in parts]),
-        num_classes=dataset.num_classes, batch_size=len(indices),
-        cuts=cuts if cuts is not None else ctx.cuts_mode, align=align,
-        name=f"samples {list(indices)} of {getattr(dataset, 'path', dataset)}")
+    pk, starts, point_labels = agree(grid.comm, read, DataFormatError,
+                                     kinds=(DataFormatError, VoxelizeError))
+    counts = [len(t) for t in point_labels]
+    v = voxelize_keys(grid, pk, dataset.num_classes,
+                      cuts=cuts if cuts is not None else ctx.cuts_mode, align=align, name=name)
+    del pk
     if spatial:
         from sparsepipe_hpc.parallel.spatial import SpatialDomain
 
         context = ctx.bind(SpatialDomain(ctx.group, v.cuts))
     else:
         context = ctx
-    x = SparseTensor(v.coords, v.feats, tuple(spatial_shape), len(indices), context=context)
-    counts = [len(p[0]) for p in parts]
+    shape3 = (int(spatial_shape[0]), int(spatial_shape[1]), int(spatial_shape[2]))
+    x = SparseTensor(v.coords, v.feats, shape3, len(indices), context=context)
+    labels = v.labels if v.labels is not None else torch.zeros(0, dtype=torch.int64)
     split = lambda t: list(torch.split(t, counts))  # noqa: E731
-    return LocalBatch(x, v.labels, [p[3] for p in parts], [p[2] for p in parts],
-                      split(v.point_owner), split(v.point_row))
+    return LocalBatch(x, labels, starts, point_labels, split(v.point_owner), split(v.point_row))

@@ -67,6 +67,9 @@ class Moved:
             if len(a) != int(self.recv_n.sum()):
                 raise ValueError(f"reply: an answer has {len(a)} rows; one per received row "
                                  f"({int(self.recv_n.sum())}) is needed")
+            if self.comm.Get_size() == 1:
+                out.append(a.cpu())
+                continue
             back = _alltoallv(self.comm, a, self.recv_n, self.send_n)
             res = torch.empty_like(back)
             res[self.order] = back
@@ -88,6 +91,9 @@ def send_rows(comm: Any, dest: torch.Tensor, *tensors: torch.Tensor) -> Moved:
     if len(dest) and (int(dest.min()) < 0 or int(dest.max()) >= size):
         raise ValueError(f"send_rows: destinations must lie in [0, {size}); got "
                          f"[{int(dest.min())}, {int(dest.max())}]")
+    if size == 1:  # nothing moves: no copies
+        n = np.array([len(dest)], np.int64)
+        return Moved(tuple(t.cpu() for t in tensors), comm, torch.arange(len(dest)), n, n.copy())
     order = torch.sort(dest, stable=True)[1]
     send_n = np.bincount(dest.numpy(), minlength=size).astype(np.int64)
     recv_n = np.empty(size, np.int64)

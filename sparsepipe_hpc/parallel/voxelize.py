@@ -48,12 +48,12 @@ import torch
 
 from halo.cuts import Cuts, balanced_cuts, uniform_cuts
 from halo.grid import ProcessGrid
-from halo.kmap import coord_keys, decode_keys
+from halo.kmap import coord_keys, decode_keys, key_batch
 from halo.ownership import owner_ranks
 from sparsepipe_hpc.parallel.rows import send_rows
 from sparsepipe_hpc.voxelize import VoxelizeError, merge_points
 
-__all__ = ["LocalVoxels", "distributed_voxelize", "agree"]
+__all__ = ["LocalVoxels", "PointKeys", "agree", "distributed_voxelize", "quantize", "voxelize_keys"]
 
 
 @dataclass
@@ -68,42 +68,88 @@ class LocalVoxels:
     point_row: torch.Tensor
 
 
-def agree(comm: Any, fn: Callable[[], Any], error: type = VoxelizeError) -> Any:
+def agree(comm: Any, fn: Callable[[], Any], error: type = VoxelizeError,
+          kinds: Sequence[type] = ()) -> Any:
     """Run ``fn`` on every rank of ``comm``; if it raised anywhere, raise everywhere (collective).
 
-    The rank that failed re-raises its own exception; the others raise ``error`` with the first
-    failing rank's message, so none is left waiting in a later collective.
+    The rank that failed re-raises its own exception; the others raise, with the first failing
+    rank's message, that exception's class when it is one of ``kinds`` (or ``error``), so none
+    is left waiting in a later collective.
     """
-    message: Optional[str] = None
+    message: Optional[tuple[str, str]] = None
     caught: Optional[BaseException] = None
     value = None
     try:
         value = fn()
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
         caught = e
-        message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        text = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        message = (type(e).__name__, text)
     messages = comm.allgather(message)
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if caught is not None:
         raise caught
     if failed:
-        rank, msg = failed[0]
-        raise error(f"rank {rank} of {len(messages)}: {msg}")
+        rank, (kind, msg) = failed[0]
+        cls = next((k for k in kinds if k.__name__ == kind), error)
+        raise cls(f"rank {rank} of {len(messages)}: {msg}")
     return value
 
 
-def _quantize(batch: torch.Tensor, points: torch.Tensor, feats: torch.Tensor,
-              index: torch.Tensor, labels: Optional[torch.Tensor], voxel_size: float,
-              origin: Sequence[float], spatial_shape: Sequence[int], batch_size: int,
-              num_classes: Optional[int], name: str
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Check this rank's points and return (keys int64 [p], index, feats, labels)."""
+@dataclass
+class PointKeys:
+    """This rank's points, quantized (the output of :func:`quantize`; rows are points).
+
+    keys     int64 [p]: :func:`halo.kmap.coord_keys` of (batch, x, y, z) global voxel indices
+    index    int64 [p]: the point's position in its sample
+    feats    float32 [p, C]
+    labels   int64 [p] or None
+    counts   int64 [B]: points per sample on this rank
+    grid     (origin, voxel_size, spatial_shape) the keys are relative to
+    """
+
+    keys: torch.Tensor
+    index: torch.Tensor
+    feats: torch.Tensor
+    labels: Optional[torch.Tensor]
+    counts: np.ndarray
+    grid: tuple
+
+    @staticmethod
+    def cat(parts: Sequence["PointKeys"]) -> "PointKeys":
+        """Concatenate the rows of quantized parts (same grid, same batch size)."""
+        if len(parts) == 1:
+            return parts[0]
+        labels = None if parts[0].labels is None else torch.cat([p.labels for p in parts])  # type: ignore[misc]
+        return PointKeys(torch.cat([p.keys for p in parts]), torch.cat([p.index for p in parts]),
+                         torch.cat([p.feats for p in parts]), labels,
+                         np.sum([p.counts for p in parts], axis=0), parts[0].grid)
+
+
+def quantize(batch: torch.Tensor, points: torch.Tensor, feats: torch.Tensor,
+             index: torch.Tensor, voxel_size: float, origin: Sequence[float],
+             spatial_shape: Sequence[int], labels: Optional[torch.Tensor] = None,
+             num_classes: Optional[int] = None, batch_size: int = 1,
+             name: str = "points") -> PointKeys:
+    """Check this rank's points and quantize them (local, no communication): the first step of
+    :func:`distributed_voxelize`, for callers that want to drop the float positions early.
+
+    Raises VoxelizeError (on this rank only) for NaN/inf, points off the grid, labels or batch
+    indices out of range, mismatched shapes.
+    """
+    points = torch.as_tensor(points).to(torch.float64)
+    feats = torch.as_tensor(feats).to(torch.float32)
+    batch = torch.as_tensor(batch).long()
+    index = torch.as_tensor(index).long()
+    if labels is not None:
+        labels = torch.as_tensor(labels).long()
     p = len(points)
     if points.dim() != 2 or points.shape[1] != 3:
         raise VoxelizeError(f"{name} must be [p, 3]; got {list(points.shape)}")
     if feats.dim() != 2 or len(feats) != p:
         raise VoxelizeError(f"features of {name} must be [{p}, C]; got {list(feats.shape)}")
-    for what, t in (("batch", batch), ("index", index)) + ((("labels", labels),) if labels is not None else ()):
+    for what, t in (("batch", batch), ("index", index)) + (
+            (("labels", labels),) if labels is not None else ()):
         if t.shape != (p,):
             raise VoxelizeError(f"{what} of {name} must be [{p}]; got {list(t.shape)}")
     if not voxel_size > 0:
@@ -118,7 +164,11 @@ def _quantize(batch: torch.Tensor, points: torch.Tensor, feats: torch.Tensor,
     if p and (int(batch.min()) < 0 or int(batch.max()) >= batch_size):
         raise VoxelizeError(f"batch of {name} must lie in [0, {batch_size}); got "
                             f"[{int(batch.min())}, {int(batch.max())}]")
-    if labels is not None and p and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+    if labels is not None and num_classes is None:
+        raise VoxelizeError("distributed_voxelize: pass num_classes with labels (each rank "
+                            "sees only some labels, so none can infer the class count)")
+    if labels is not None and num_classes is not None and p and (
+            int(labels.min()) < 0 or int(labels.max()) >= num_classes):
         raise VoxelizeError(f"labels of {name} must lie in [0, {num_classes - 1}]; "
                             f"got [{int(labels.min())}, {int(labels.max())}]")
     shape = torch.tensor(list(spatial_shape), dtype=torch.int64)
@@ -132,8 +182,10 @@ def _quantize(batch: torch.Tensor, points: torch.Tensor, feats: torch.Tensor,
             f"{tuple(origin)}, {tuple(spatial_shape)} voxels of {voxel_size} m); first: point "
             f"{int(index[i])} of sample {int(batch[i])} at {points[i].tolist()} -> voxel "
             f"{idx[i].tolist()}. Enlarge the grid")
-    coords = torch.cat([batch.long()[:, None], idx], 1)
-    return coord_keys(coords), index, feats, labels
+    keys = coord_keys(torch.cat([batch[:, None], idx], 1))
+    counts = np.bincount(batch.numpy(), minlength=batch_size).astype(np.int64)
+    spec = (tuple(float(o) for o in origin), float(voxel_size), tuple(int(s) for s in spatial_shape))
+    return PointKeys(keys, index, feats, labels, counts, spec)
 
 
 def _check_same(comm: Any, what: dict[str, Any]) -> None:
@@ -182,48 +234,65 @@ def distributed_voxelize(grid: ProcessGrid, batch: torch.Tensor, points: torch.T
     ``num_classes`` is required with ``labels`` (ranks see different labels, so none may guess
     it from its own). Raises VoxelizeError on every rank for bad input on any rank.
     """
-    points = torch.as_tensor(np.asarray(points) if not isinstance(points, torch.Tensor)
-                             else points).to(torch.float64)
-    feats = torch.as_tensor(feats).to(torch.float32)
-    batch = torch.as_tensor(batch).long()
-    index = torch.as_tensor(index).long()
-    if labels is not None:
-        labels = torch.as_tensor(labels).long()
+    pk = agree(grid.comm, lambda: quantize(batch, points, feats, index, voxel_size, origin,
+                                           spatial_shape, labels, num_classes, batch_size, name))
+    return voxelize_keys(grid, pk, num_classes, cuts, align, name)
 
-    def check() -> tuple:
-        if labels is not None and num_classes is None:
-            raise VoxelizeError("distributed_voxelize: pass num_classes with labels (each rank "
-                                "sees only some labels, so none can infer the class count)")
-        return _quantize(batch, points, feats, index, labels, voxel_size, origin, spatial_shape,
-                         batch_size, num_classes, name)
 
-    keys, index, feats, labels = agree(grid.comm, check)
-    _check_same(grid.comm, {"feature channels": int(feats.shape[1] if feats.dim() == 2 else -1),
-                            "batch size": int(batch_size), "classes": num_classes,
-                            "labels given": labels is not None,
-                            "grid": (tuple(spatial_shape), tuple(float(o) for o in origin),
-                                     float(voxel_size)),
+def _in_sample_order(keys: torch.Tensor, index: torch.Tensor) -> bool:
+    """Whether every sample's points already come in ascending ``index`` order (then so do every
+    voxel's, and no sort is needed: true when ranks read contiguous ranges in rank order)."""
+    if len(index) < 2:
+        return True
+    b = key_batch(keys)
+    if bool((b[1:] == b[:-1]).all()):
+        return bool((index[1:] > index[:-1]).all())
+    for s in torch.unique(b).tolist():
+        i = index[b == s]
+        if not bool((i[1:] > i[:-1]).all()):
+            return False
+    return True
+
+
+def voxelize_keys(grid: ProcessGrid, pk: PointKeys, num_classes: Optional[int] = None,
+                  cuts: str | Cuts = "balanced", align: int = 1,
+                  name: str = "points") -> LocalVoxels:
+    """Steps 2 and 3 of :func:`distributed_voxelize` from every rank's :func:`quantize` output
+    (collective over ``grid.comm``)."""
+    batch_size = len(pk.counts)
+    spatial_shape = pk.grid[2]
+    _check_same(grid.comm, {"feature channels": int(pk.feats.shape[1]),
+                            "batch size": batch_size, "classes": num_classes,
+                            "labels given": pk.labels is not None,
+                            "grid (origin, voxel size, shape)": pk.grid,
                             "cuts": repr(cuts), "align": int(align)})
     from mpi4py import MPI
 
-    per_sample = np.bincount(batch.numpy(), minlength=batch_size).astype(np.int64)
+    per_sample = pk.counts.copy()
     grid.comm.Allreduce(MPI.IN_PLACE, per_sample, op=MPI.SUM)
     if (per_sample == 0).any():  # every rank sees the same sums: all raise alike
         raise VoxelizeError(f"{name}: sample {int(np.argmin(per_sample))} has no points on any "
                             "rank; a sample needs at least one point")
-    box_cuts = agree(grid.comm, lambda: _cuts(grid, keys, spatial_shape, cuts, align))
-    owner = owner_ranks(grid, box_cuts, decode_keys(keys))
-    payload = (keys, index, feats) + ((labels,) if labels is not None else ())
+    box_cuts = agree(grid.comm, lambda: _cuts(grid, pk.keys, spatial_shape, cuts, align))
+    owner = owner_ranks(grid, box_cuts, decode_keys(pk.keys))
+    payload = (pk.keys, pk.index, pk.feats) + ((pk.labels,) if pk.labels is not None else ())
     moved = send_rows(grid.comm, owner, *payload)
     r_keys, r_index, r_feats = moved.rows[:3]
-    r_labels = moved.rows[3] if labels is not None else None
+    r_labels = moved.rows[3] if pk.labels is not None else None
+    moved.rows = ()  # the owner's copies go as soon as they are merged
     # The serial summation order within a voxel is the sample's point order (a voxel holds
-    # points of one sample only), so sorting by index is enough.
-    order = torch.sort(r_index, stable=True)[1]
-    u_keys, mean, inverse, vox_labels = merge_points(
-        r_keys[order], r_feats[order], r_labels[order] if r_labels is not None else None,
-        num_classes or 0)
-    rows = torch.empty(len(order), dtype=torch.int64)
-    rows[order] = inverse
+    # points of one sample only): sort by index unless the rows already come in that order.
+    if _in_sample_order(r_keys, r_index):
+        u_keys, mean, inverse, vox_labels = merge_points(r_keys, r_feats, r_labels,
+                                                         num_classes or 0)
+        rows = inverse
+    else:
+        order = torch.sort(r_index, stable=True)[1]
+        u_keys, mean, inverse, vox_labels = merge_points(
+            r_keys[order], r_feats[order], r_labels[order] if r_labels is not None else None,
+            num_classes or 0)
+        rows = torch.empty(len(order), dtype=torch.int64)
+        rows[order] = inverse
+    del r_keys, r_index, r_feats, r_labels
     (point_row,) = moved.reply(rows)
     return LocalVoxels(decode_keys(u_keys), mean, vox_labels, box_cuts, owner, point_row)
