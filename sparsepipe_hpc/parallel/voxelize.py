@@ -258,7 +258,8 @@ def voxelize_keys(grid: ProcessGrid, pk: PointKeys, num_classes: Optional[int] =
                   cuts: str | Cuts = "balanced", align: int = 1,
                   name: str = "points") -> LocalVoxels:
     """Steps 2 and 3 of :func:`distributed_voxelize` from every rank's :func:`quantize` output
-    (collective over ``grid.comm``)."""
+    (collective over ``grid.comm``). ``pk`` is consumed: its tensors are released once sent, so
+    that a rank does not hold its points and its owners' points at once."""
     batch_size = len(pk.counts)
     spatial_shape = pk.grid[2]
     _check_same(grid.comm, {"feature channels": int(pk.feats.shape[1]),
@@ -275,10 +276,15 @@ def voxelize_keys(grid: ProcessGrid, pk: PointKeys, num_classes: Optional[int] =
                             "rank; a sample needs at least one point")
     box_cuts = agree(grid.comm, lambda: _cuts(grid, pk.keys, spatial_shape, cuts, align))
     owner = owner_ranks(grid, box_cuts, decode_keys(pk.keys))
-    payload = (pk.keys, pk.index, pk.feats) + ((pk.labels,) if pk.labels is not None else ())
+    has_labels = pk.labels is not None
+    payload = [pk.keys, pk.index, pk.feats]
+    if pk.labels is not None:
+        payload.append(pk.labels)
     moved = send_rows(grid.comm, owner, *payload)
+    del payload
+    pk.keys = pk.index = pk.feats = pk.labels = None  # type: ignore[assignment]  # consumed
     r_keys, r_index, r_feats = moved.rows[:3]
-    r_labels = moved.rows[3] if pk.labels is not None else None
+    r_labels = moved.rows[3] if has_labels else None
     moved.rows = ()  # the owner's copies go as soon as they are merged
     # The serial summation order within a voxel is the sample's point order (a voxel holds
     # points of one sample only): sort by index unless the rows already come in that order.
