@@ -124,17 +124,17 @@ def test_empty_boxes_and_empty_ranks(comm, rng, dims):
     b, p, f, l, i = split(rng, comm, samples, "random")
     if comm.rank == comm.size - 1 and comm.size > 1:  # a rank that read nothing at all
         b, p, f, l, i = b[:0], p[:0], f[:0], l[:0], i[:0]
+    # The last rank's points are dropped from the sample too, so both sides see the same cloud.
+    idx = np.sort(np.concatenate(comm.allgather(i.numpy())))
+    s = samples[0]
+    remap = np.full(400, -1)
+    remap[idx] = np.arange(len(idx))
+    sub = [(s[0][idx], s[1][idx], s[2][idx])]
+    mine = torch.from_numpy(remap[i.numpy()])
     for mode in ("uniform", "balanced"):
-        # The last rank's points are dropped from the sample too, so both sides see the same.
-        held = comm.allgather(i.numpy())
-        idx = np.sort(np.concatenate(held))
-        s = samples[0]
-        remap = np.full(400, -1)
-        remap[idx] = np.arange(len(idx))
-        sub = [(s[0][idx], s[1][idx], s[2][idx])]
-        v = distributed_voxelize(grid, b, p, f, torch.from_numpy(remap[i.numpy()]), VOXEL,
-                                 ORIGIN, SHAPE, labels=l, num_classes=CLASSES, cuts=mode)
-        check_equal(comm, grid, v, sub, torch.from_numpy(remap[i.numpy()]), b)
+        v = distributed_voxelize(grid, b, p, f, mine, VOXEL, ORIGIN, SHAPE, labels=l,
+                                 num_classes=CLASSES, cuts=mode)
+        check_equal(comm, grid, v, sub, mine, b)
         if mode == "uniform" and comm.size > 1:
             assert comm.allreduce(int(len(v.coords) == 0)) >= 1  # some box is empty
 
