@@ -204,14 +204,15 @@ class SceneDataset:
     def _read_scene(self, f: h5py.File, name: str, rows: Optional[slice] = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(xyz float32 [P,3], feats float32 [P,C], labels int64 [P]) with values checked;
-        ``rows``: only points ``[start, stop)`` (an HDF5 hyperslab; messages name the range, and
-        indices in them count from ``start``)."""
+        ``rows``: only points ``[start, stop)`` (an HDF5 hyperslab; messages name the range; the
+        first NaN's index counts from the dataset's start, a range error's from ``start``)."""
         p = self.path
         g = f["scenes"][name]
         sel = () if rows is None else rows
         at = "" if rows is None else f"[{rows.start}:{rows.stop}]"
         xyz = read(p, g["xyz"], sel)
-        check_finite(p, g["xyz"].name + at, xyz)
+        first = 0 if rows is None else int(rows.start)
+        check_finite(p, g["xyz"].name + at, xyz, first)
         if self._stored_bounds is not None:
             self._check_in_bounds(g["xyz"].name + at, xyz)
         label = read(p, g["label"], sel)
@@ -222,7 +223,7 @@ class SceneDataset:
             if rgb.dtype == np.uint8:
                 feats = rgb.astype(np.float32) / np.float32(255.0)
             else:
-                check_finite(p, g["rgb"].name + at, rgb)
+                check_finite(p, g["rgb"].name + at, rgb, first)
                 check_range(p, g["rgb"].name + at, rgb, 0.0, 1.0,
                             "float colours are scaled to [0, 1]")
                 feats = rgb.astype(np.float32)
