@@ -207,7 +207,7 @@ def _cuts(grid: ProcessGrid, keys: torch.Tensor, spatial_shape: Sequence[int],
                                 f"{cuts.extent}; the grid is {grid.dims} and the extent "
                                 f"{tuple(extent)} voxels")
         return cuts
-    if cuts == "uniform":
+    if cuts == "uniform" or grid.size == 1:  # one box: balanced cuts are the whole extent too
         return uniform_cuts(extent, grid.dims, align=align)
     if cuts != "balanced":
         raise VoxelizeError(f"cuts must be 'balanced', 'uniform' or a Cuts; got {cuts!r}")
