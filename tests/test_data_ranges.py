@@ -59,3 +59,20 @@ def test_read_range_names_a_nan_in_its_range(tmp_path):
     with pytest.raises(DataFormatError,
                        match=r"xyz\[10:20\]' must be finite; 1 NaN.*first at index \(12, 1\)"):
         ds.read_range(0, 10, 20)
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_range_augmenter_streams_consecutive_ranges(monkeypatch, chunk):
+    monkeypatch.setattr(loader, "NOISE_CHUNK", chunk)
+    total = 301
+    pts = torch.from_numpy(np.random.default_rng(1).uniform(-0.9, 0.9, (total, 3)))
+    for seed in range(4):
+        whole = loader.augment_points(pts.clone(), ORIGIN, SHAPE, VOXEL,
+                                      torch.Generator().manual_seed(seed))
+        aug = loader.RangeAugmenter(total, ORIGIN, SHAPE, VOXEL,
+                                    torch.Generator().manual_seed(seed))
+        # within one chunk, across chunks, a forward skip, and into the merged last chunk
+        for a, b in [(0, 5), (5, 40), (40, 41), (90, 200), (200, 301)]:
+            assert torch.equal(aug(pts[a:b].clone(), a), whole[a:b])
+        with pytest.raises(ValueError, match="increasing order"):
+            aug(pts[0:3], 0)

@@ -11,8 +11,9 @@ with the voxels of its box, the context attached (what ``ctx.distribute`` gives 
 
 Who reads what: rank ``r`` of the spatial group (``n`` ranks) reads points
 ``[r * P // n, (r + 1) * P // n)`` of each sample (``P`` points) through HDF5 hyperslabs
-(:meth:`SceneDataset.read_range`): never the whole sample. Augmentation is
-:func:`~sparsepipe_hpc.data.loader.augment_points_range`, equal row for row to the single-process
+(:meth:`SceneDataset.read_range`, :data:`READ_CHUNK` points at a time): never the whole sample.
+Augmentation is :class:`~sparsepipe_hpc.data.loader.RangeAugmenter`, equal row for row to the
+single-process
 :func:`~sparsepipe_hpc.data.loader.collate`'s. Voxels then move to their owners
 (:func:`sparsepipe_hpc.parallel.voxelize.distributed_voxelize`): the result equals
 ``ctx.distribute(collate(...).x, labels)`` exactly. Without spatial parallelism the rank reads
@@ -25,7 +26,7 @@ one rank raises on every rank: DataFormatError there, the same class naming that
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -33,12 +34,15 @@ import torch
 from halo.cuts import Cuts
 from halo.grid import ProcessGrid
 from sparsepipe_hpc.data.checks import DataFormatError
-from sparsepipe_hpc.data.loader import JITTER, augment_points_range
+from sparsepipe_hpc.data.loader import JITTER, RangeAugmenter
 from sparsepipe_hpc.parallel.voxelize import PointKeys, agree, quantize, voxelize_keys
 from sparsepipe_hpc.voxelize import VoxelizeError
 from sparsepipe_hpc.sparse import SparseTensor
 
-__all__ = ["LocalBatch", "read_distributed", "point_range"]
+__all__ = ["LocalBatch", "READ_CHUNK", "read_distributed", "point_range"]
+
+#: Points read, augmented and quantized at a time (bounds the float temporaries per rank).
+READ_CHUNK = 1 << 20
 
 
 @dataclass
@@ -98,25 +102,45 @@ def read_distributed(ctx: Any, dataset: Any, indices: Sequence[int], voxel_size:
     name = f"samples {list(indices)} of {getattr(dataset, 'path', dataset)}"
 
     def read() -> tuple[PointKeys, list[int], list[torch.Tensor]]:
-        # One sample at a time: its float positions are dropped once quantized.
-        parts, starts, point_labels = [], [], []
-        for b, i in enumerate(indices):
-            total = int(dataset.sizes[i])
-            start, stop = point_range(total, rank, size)
-            s = dataset.read_range(i, start, stop)
-            pts = torch.as_tensor(np.asarray(s.points), dtype=torch.float64)
-            if generators is not None:
-                pts = augment_points_range(pts, start, total, origin, spatial_shape, voxel_size,
-                                           generators[b], jitter)
-            labels = torch.as_tensor(s.labels)
-            parts.append(quantize(torch.full((len(pts),), b, dtype=torch.int64), pts,
-                                  torch.as_tensor(s.feats), torch.arange(start, stop),
-                                  voxel_size, origin, spatial_shape, labels,
-                                  dataset.num_classes, len(indices), name))
-            starts.append(start)
-            point_labels.append(labels)
-            del s, pts
-        return PointKeys.cat(parts), starts, point_labels
+        # READ_CHUNK points at a time: only their float positions and the augmentation's
+        # temporaries are alive at once; what is kept (36 bytes a point: key, index, rgb, label)
+        # goes straight into buffers sized for this rank's share.
+        ranges = [point_range(int(dataset.sizes[i]), rank, size) for i in indices]
+        n = sum(z - a for a, z in ranges)
+        keys = torch.empty(n, dtype=torch.int64)
+        index = torch.empty(n, dtype=torch.int64)
+        feats = torch.empty((n, dataset.in_channels), dtype=torch.float32)
+        labels = torch.empty(n, dtype=torch.int64)
+        counts = np.zeros(len(indices), np.int64)
+        row, spec, point_labels = 0, None, []
+        for b, (i, (start, stop)) in enumerate(zip(indices, ranges)):
+            aug = None if generators is None else RangeAugmenter(
+                int(dataset.sizes[i]), origin, spatial_shape, voxel_size, generators[b], jitter)
+            first = row
+            for a in range(start, stop, READ_CHUNK):
+                z = min(a + READ_CHUNK, stop)
+                s = dataset.read_range(i, a, z)
+                pts = torch.as_tensor(np.asarray(s.points), dtype=torch.float64)
+                if aug is not None:
+                    pts = aug(pts, a)
+                part = quantize(torch.full((len(pts),), b, dtype=torch.int64), pts,
+                                torch.as_tensor(s.feats), torch.arange(a, z), voxel_size,
+                                origin, spatial_shape, torch.as_tensor(s.labels),
+                                dataset.num_classes, len(indices), name)
+                del s, pts
+                keys[row:row + z - a] = part.keys
+                index[row:row + z - a] = part.index
+                feats[row:row + z - a] = part.feats
+                labels[row:row + z - a] = cast(torch.Tensor, part.labels)  # labels were given
+                spec = part.grid
+                row += z - a
+            counts[b] = stop - start
+            point_labels.append(labels[first:row])
+        if spec is None:  # this rank read no points at all
+            spec = quantize(torch.zeros(0), torch.zeros(0, 3), torch.zeros(0, dataset.in_channels),
+                            torch.zeros(0), voxel_size, origin, spatial_shape).grid
+        return PointKeys(keys, index, feats, labels, counts, spec), [r[0] for r in ranges], \
+            point_labels
 
     pk, starts, point_labels = agree(grid.comm, read, DataFormatError,
                                      kinds=(DataFormatError, VoxelizeError))

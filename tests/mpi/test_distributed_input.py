@@ -241,12 +241,16 @@ def scenes(comm, rng, tmp_path_factory):
 
 @pytest.mark.parametrize("dims", ALL_GRIDS)
 @pytest.mark.parametrize("mode", ["balanced", "uniform"])
-def test_read_distributed_equals_distribute(comm, scenes, dims, mode):
+def test_read_distributed_equals_distribute(comm, scenes, dims, mode, monkeypatch):
+    import sparsepipe_hpc.parallel.input as inp
     from sparsepipe_hpc.data.loader import collate, grid_for
     from sparsepipe_hpc.data.sharding import ShardedBatches
     from sparsepipe_hpc.parallel.input import read_distributed
 
     need(comm, dims)
+    if mode == "uniform":  # several chunks per rank and sample, chunks of noise across them
+        monkeypatch.setattr(inp, "READ_CHUNK", 300)
+        monkeypatch.setattr("sparsepipe_hpc.data.loader.NOISE_CHUNK", 64)
     ctx = layout_ctx(comm, dims, mode)
     origin, shape = grid_for(scenes, 0.1, multiple=4)
     batches = ShardedBatches(len(scenes), batch_size=2, replicas=1, rank=0, seed=5)
@@ -332,3 +336,21 @@ def test_corrupt_hyperslab_raises_on_every_rank(comm, rng, tmp_path_factory, fau
     where = rf"xyz\[{start}:{stop}\]" if fault == "nan" else rf"label\[{start}:{stop}\]"
     with pytest.raises(DataFormatError, match=rf"{where}.*{rule}"):
         read_distributed(ctx, ds, [0], 0.1, (-0.5, -0.5, -0.5), (48, 40, 32))
+
+
+def test_ranks_that_read_no_points(comm, rng, tmp_path_factory):
+    """A scene of 3 points: at 4 ranks one reads nothing, and most boxes are empty."""
+    from sparsepipe_hpc.data.loader import collate, grid_for
+    from sparsepipe_hpc.data.scenes import SceneDataset
+    from sparsepipe_hpc.parallel.input import read_distributed
+
+    xyz, rgb, lab = room(rng, 3)
+    xyz[:, 2] = np.array([0.0, 2.0, 1.0])  # spread the grid so that it can be cut
+    ds = SceneDataset(scene_file(comm, tmp_path_factory, [("tiny", xyz, rgb, lab)], "tiny.h5"))
+    ctx = layout_ctx(comm, (1, 1, comm.size), "uniform")
+    origin, shape = grid_for(ds, 0.1, multiple=4)
+    full = collate([ds[0]], 0.1, origin, shape)
+    want_x, want_y = ctx.distribute(full.x, full.labels, align=4)
+    got = read_distributed(ctx, ds, [0], 0.1, origin, shape, align=4)
+    assert torch.equal(got.x.coords, want_x.coords) and torch.equal(got.x.feats, want_x.feats)
+    assert torch.equal(got.labels, want_y)
