@@ -42,7 +42,7 @@ from sparsepipe_hpc.sparse import SparseTensor
 __all__ = ["LocalBatch", "READ_CHUNK", "read_distributed", "point_range"]
 
 #: Points read, augmented and quantized at a time (bounds the float temporaries per rank).
-READ_CHUNK = 1 << 20
+READ_CHUNK = 1 << 18
 
 
 @dataclass

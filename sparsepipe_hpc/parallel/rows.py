@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-__all__ = ["Moved", "send_rows"]
+__all__ = ["Moved", "send_list", "send_rows"]
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -83,6 +83,13 @@ def send_rows(comm: Any, dest: torch.Tensor, *tensors: torch.Tensor) -> Moved:
     Every rank must pass the same number of tensors with the same dtypes and trailing shapes.
     Received rows come ordered by source rank, each source's rows in that source's order.
     """
+    return send_list(comm, dest, list(tensors))
+
+
+def send_list(comm: Any, dest: torch.Tensor, tensors: list[torch.Tensor]) -> Moved:
+    """:func:`send_rows` that consumes ``tensors``: each is removed from the list once sent, so
+    that a caller holding no other reference frees it before the next one arrives (peak memory:
+    what is received plus one tensor's sorted copy, not everything sent as well)."""
     size = comm.Get_size()
     dest = torch.as_tensor(dest).long().cpu()
     for t in tensors:
@@ -93,10 +100,16 @@ def send_rows(comm: Any, dest: torch.Tensor, *tensors: torch.Tensor) -> Moved:
                          f"[{int(dest.min())}, {int(dest.max())}]")
     if size == 1:  # nothing moves: no copies
         n = np.array([len(dest)], np.int64)
-        return Moved(tuple(t.cpu() for t in tensors), comm, torch.arange(len(dest)), n, n.copy())
+        rows = tuple(t.cpu() for t in tensors)
+        tensors.clear()
+        return Moved(rows, comm, torch.arange(len(dest)), n, n.copy())
     order = torch.sort(dest, stable=True)[1]
     send_n = np.bincount(dest.numpy(), minlength=size).astype(np.int64)
     recv_n = np.empty(size, np.int64)
     comm.Alltoall(send_n, recv_n)
-    rows = tuple(_alltoallv(comm, t.cpu()[order], send_n, recv_n) for t in tensors)
-    return Moved(rows, comm, order, send_n, recv_n)
+    received = []
+    while tensors:
+        t = tensors.pop(0)
+        received.append(_alltoallv(comm, t.cpu()[order], send_n, recv_n))
+        del t
+    return Moved(tuple(received), comm, order, send_n, recv_n)

@@ -50,7 +50,7 @@ from halo.cuts import Cuts, balanced_cuts, uniform_cuts
 from halo.grid import ProcessGrid
 from halo.kmap import coord_keys, decode_keys, key_batch
 from halo.ownership import owner_ranks
-from sparsepipe_hpc.parallel.rows import send_rows
+from sparsepipe_hpc.parallel.rows import send_list, send_rows
 from sparsepipe_hpc.voxelize import VoxelizeError, merge_points
 
 __all__ = ["LocalVoxels", "PointKeys", "agree", "distributed_voxelize", "quantize", "voxelize_keys"]
@@ -254,6 +254,18 @@ def _in_sample_order(keys: torch.Tensor, index: torch.Tensor) -> bool:
     return True
 
 
+#: Keys decoded at a time when locating owners (a decode needs ~80 bytes per key).
+OWNER_CHUNK = 1 << 18
+
+
+def _owners(grid: ProcessGrid, cuts: Cuts, keys: torch.Tensor) -> torch.Tensor:
+    """int64 [p]: the grid rank owning each key's voxel, decoding OWNER_CHUNK keys at a time."""
+    out = torch.empty(len(keys), dtype=torch.int64)
+    for a in range(0, len(keys), OWNER_CHUNK):
+        out[a:a + OWNER_CHUNK] = owner_ranks(grid, cuts, decode_keys(keys[a:a + OWNER_CHUNK]))
+    return out
+
+
 def voxelize_keys(grid: ProcessGrid, pk: PointKeys, num_classes: Optional[int] = None,
                   cuts: str | Cuts = "balanced", align: int = 1,
                   name: str = "points") -> LocalVoxels:
@@ -275,14 +287,13 @@ def voxelize_keys(grid: ProcessGrid, pk: PointKeys, num_classes: Optional[int] =
         raise VoxelizeError(f"{name}: sample {int(np.argmin(per_sample))} has no points on any "
                             "rank; a sample needs at least one point")
     box_cuts = agree(grid.comm, lambda: _cuts(grid, pk.keys, spatial_shape, cuts, align))
-    owner = owner_ranks(grid, box_cuts, decode_keys(pk.keys))
+    owner = _owners(grid, box_cuts, pk.keys)
     has_labels = pk.labels is not None
     payload = [pk.keys, pk.index, pk.feats]
     if pk.labels is not None:
         payload.append(pk.labels)
-    moved = send_rows(grid.comm, owner, *payload)
-    del payload
     pk.keys = pk.index = pk.feats = pk.labels = None  # type: ignore[assignment]  # consumed
+    moved = send_list(grid.comm, owner, payload)  # empties payload as it sends
     r_keys, r_index, r_feats = moved.rows[:3]
     r_labels = moved.rows[3] if has_labels else None
     moved.rows = ()  # the owner's copies go as soon as they are merged
