@@ -180,6 +180,11 @@ def output_coords(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     return decode_keys(keys)
 
 
+def key_batch(keys: torch.Tensor) -> torch.Tensor:
+    """int64 [N]: the batch index of each :func:`coord_keys` key (no [N, 4] decode)."""
+    return keys >> (3 * _BITS)
+
+
 def decode_keys(keys: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`coord_keys`: int32 [N, 4]."""
     mask = (1 << _BITS) - 1

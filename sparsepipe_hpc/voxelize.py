@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["Voxels", "VoxelizeError", "voxelize"]
+__all__ = ["Voxels", "VoxelizeError", "merge_points", "voxelize"]
 
 
 class VoxelizeError(ValueError):
@@ -76,22 +76,42 @@ def voxelize(points: np.ndarray | torch.Tensor, feats: np.ndarray | torch.Tensor
         if not bool(inside.any()):
             raise VoxelizeError(f"{name}: every point falls outside the grid")
     key = (idx[:, 0] * shape[1] + idx[:, 1]) * shape[2] + idx[:, 2]
-    keys, inverse = torch.unique(key[inside], return_inverse=True)
-    n = len(keys)
-    counts = torch.zeros(n, dtype=torch.float32).index_add_(0, inverse, torch.ones(len(inverse)))
-    mean = torch.zeros(n, f.shape[1]).index_add_(0, inverse, f[inside]) / counts[:, None]
-    coords = torch.stack([keys // (shape[1] * shape[2]), keys // shape[2] % shape[1],
-                          keys % shape[2]], 1).int()
-    point_to_voxel = torch.full((len(pts),), -1, dtype=torch.int64)
-    point_to_voxel[inside] = inverse
-    vox_labels = None
+    lab = None
+    k = 0
     if labels is not None:
         lab = torch.as_tensor(np.asarray(labels), dtype=torch.int64).reshape(-1)[inside]
         k = int(num_classes) if num_classes is not None else int(lab.max()) + 1
         if len(lab) and (int(lab.min()) < 0 or int(lab.max()) >= k):
             raise VoxelizeError(f"labels of {name} must lie in [0, {k - 1}]; "
                                 f"got [{int(lab.min())}, {int(lab.max())}]")
-        votes = torch.zeros(n * k, dtype=torch.int64).index_add_(
-            0, inverse * k + lab, torch.ones_like(lab))
-        vox_labels = votes.view(n, k).argmax(1)  # first maximum: the smallest label wins ties
+    keys, mean, inverse, vox_labels = merge_points(key[inside], f[inside], lab, k)
+    coords = torch.stack([keys // (shape[1] * shape[2]), keys // shape[2] % shape[1],
+                          keys % shape[2]], 1).int()
+    point_to_voxel = torch.full((len(pts),), -1, dtype=torch.int64)
+    point_to_voxel[inside] = inverse
     return Voxels(coords, mean, point_to_voxel, vox_labels)
+
+
+def merge_points(key: torch.Tensor, feats: torch.Tensor, labels: Optional[torch.Tensor],
+                 num_classes: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Points -> voxels: ``(keys [V] sorted unique, mean feats float32 [V, C], inverse [P],
+    majority labels int64 [V] or None)`` from ``key int64 [P]``, ``feats float32 [P, C]`` and
+    ``labels int64 [P]`` in ``[0, num_classes)``.
+
+    The one place where voxel features are summed: a voxel's mean is the float32 sum of its points'
+    features *in the order the points are given*, divided by the count, so callers that pass a
+    voxel's points in the same order get bit-identical means (the distributed voxelization sorts
+    received points by their index in the sample for that). Label ties go to the smallest label.
+    """
+    keys, inverse = torch.unique(key, return_inverse=True)
+    n = len(keys)
+    counts = torch.zeros(n, dtype=torch.float32).index_add_(0, inverse, torch.ones(len(inverse)))
+    mean = torch.zeros(n, feats.shape[1]).index_add_(0, inverse, feats) / counts[:, None]
+    vox_labels = None
+    if labels is not None:
+        k = int(num_classes)
+        votes = torch.zeros(n * k, dtype=torch.int64).index_add_(
+            0, inverse * k + labels, torch.ones_like(labels))
+        vox_labels = votes.view(n, k).argmax(1)  # first maximum: the smallest label wins ties
+    return keys, mean, inverse, vox_labels

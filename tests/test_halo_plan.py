@@ -148,3 +148,12 @@ def test_plan_cache_checks_hits():
         cache.get_or_build("k", None, cuts, coords[:2], 1, builder=builder)
     cache.clear()
     assert len(cache) == 0
+
+
+def test_key_batch_reads_the_batch_column_of_a_key():
+    from halo.kmap import coord_keys, key_batch
+
+    g = torch.Generator().manual_seed(0)
+    coords = torch.cat([torch.randint(0, 256, (50, 1), generator=g),
+                        torch.randint(-(1 << 17), 1 << 17, (50, 3), generator=g)], 1).int()
+    assert torch.equal(key_batch(coord_keys(coords)), coords[:, 0].long())

@@ -91,12 +91,14 @@ def read(path: str | Path, ds: h5py.Dataset, sel: Any = ()) -> np.ndarray:
                               "truncated or corrupt") from e
 
 
-def check_finite(path: str | Path, name: str, values: np.ndarray) -> None:
-    """Raise if ``values`` hold NaN or inf, naming how many and the first position."""
+def check_finite(path: str | Path, name: str, values: np.ndarray, offset: int = 0) -> None:
+    """Raise if ``values`` hold NaN or inf, naming how many and the first position (``offset``:
+    the first row's index in the dataset, when ``values`` are a slice of it)."""
     if values.dtype.kind == "f":
         bad = ~np.isfinite(values)
         if bad.any():
             first = tuple(int(i) for i in np.argwhere(bad)[0])
+            first = (first[0] + int(offset),) + first[1:]
             raise DataFormatError(f"{path}: dataset '{name}' must be finite; {int(bad.sum())} "
                                   f"NaN/inf value(s), first at index {first}")
 

@@ -41,7 +41,8 @@ from sparsepipe_hpc.sparse import MAX_EXTENT, SparseTensor
 from sparsepipe_hpc.voxelize import voxelize
 
 __all__ = ["Batch", "GridSizeError", "JITTER", "augment_margin", "collate", "grid_for",
-           "augment_points", "Sample", "SceneDataset", "ModelNetDataset", "ShardedBatches"]
+           "augment_points", "augment_points_range", "RangeAugmenter", "Sample", "SceneDataset", "ModelNetDataset",
+           "ShardedBatches"]
 
 #: Default standard deviation (metres) of the per-point jitter of :func:`augment_points`.
 JITTER = 0.005
@@ -190,6 +191,89 @@ def augment_points(points: torch.Tensor, origin: Sequence[float], spatial_shape:
         noise = torch.randn(p.shape, generator=generator, dtype=torch.float64) * jitter
         p = p + noise.clamp_(-3 * jitter, 3 * jitter)
     return p + centre
+
+
+#: Rows per draw when :func:`augment_points_range` streams the jitter (a multiple of 16: torch's
+#: CPU normal sampler works in blocks of 16, which makes a chunked draw equal one whole draw).
+NOISE_CHUNK = 1 << 16
+
+
+class RangeAugmenter:
+    """:func:`augment_points` applied to consecutive row ranges of one sample, bit for bit.
+
+        aug = RangeAugmenter(total, origin, shape, voxel_size, generator)
+        part = aug(points[a:b], a)      # then aug(points[b:c], b), ...: starts may skip rows
+                                        # forward, never go back
+
+    Draws the coins once, then streams the jitter in chunks of :data:`NOISE_CHUNK` rows (memory:
+    one chunk; time: every row up to the last one asked for, as one whole draw would).
+    """
+
+    def __init__(self, total: int, origin: Sequence[float], spatial_shape: Sequence[int],
+                 voxel_size: float, generator: Optional[torch.Generator],
+                 jitter: float = JITTER) -> None:
+        self.total = int(total)
+        self.spatial_shape = tuple(spatial_shape)
+        self.generator = generator
+        self.jitter = jitter
+        self.centre = torch.tensor([o + s * voxel_size / 2 for o, s in zip(origin, spatial_shape)],
+                                   dtype=torch.float64)
+        self.coin = torch.rand(3, generator=generator, dtype=torch.float64)
+        self._pos = 0       # rows drawn so far
+        self._chunk: Optional[torch.Tensor] = None  # the last chunk drawn, rows [pos - n, pos)
+
+    def _noise(self, start: int, stop: int) -> torch.Tensor:
+        out = torch.empty((stop - start, 3), dtype=torch.float64)
+        if self._chunk is not None:  # rows of the chunk drawn last
+            lo = self._pos - len(self._chunk)
+            a, b = max(lo, start), min(self._pos, stop)
+            if a < b:
+                out[a - start:b - start] = self._chunk[a - lo:b - lo]
+        while self._pos < stop:
+            left = self.total - self._pos
+            n = left if left < 2 * NOISE_CHUNK else NOISE_CHUNK
+            self._chunk = torch.randn((n, 3), generator=self.generator, dtype=torch.float64)
+            a, b = max(self._pos, start), min(self._pos + n, stop)
+            if a < b:
+                out[a - start:b - start] = self._chunk[a - self._pos:b - self._pos]
+            self._pos += n
+        return out
+
+    def __call__(self, points: torch.Tensor, start: int) -> torch.Tensor:
+        """Rows ``[start, start + len(points))`` of the augmented sample; ``points`` float64."""
+        stop = start + len(points)
+        if not 0 <= start <= stop <= self.total:
+            raise ValueError(f"augment_points_range: rows [{start}, {stop}) are not inside a "
+                             f"sample of {self.total} points")
+        if self._chunk is not None and start < self._pos - len(self._chunk):
+            raise ValueError(f"RangeAugmenter: rows from {start} were asked after rows up to "
+                             f"{self._pos}; ranges must come in increasing order")
+        p = points - self.centre
+        if self.coin[0] < 0.5:
+            p[:, 0] = -p[:, 0]
+        if self.coin[1] < 0.5:
+            p[:, 1] = -p[:, 1]
+        if self.coin[2] < 0.5 and self.spatial_shape[0] == self.spatial_shape[1]:
+            p = p[:, [1, 0, 2]]
+        if self.jitter > 0:
+            noise = self._noise(start, stop)
+            noise.mul_(self.jitter).clamp_(-3 * self.jitter, 3 * self.jitter)
+            p += noise
+            del noise
+        p += self.centre
+        return p
+
+
+def augment_points_range(points: torch.Tensor, start: int, total: int, origin: Sequence[float],
+                         spatial_shape: Sequence[int], voxel_size: float,
+                         generator: Optional[torch.Generator], jitter: float = JITTER
+                         ) -> torch.Tensor:
+    """Rows ``[start, start + len(points))`` of ``augment_points(all_points, ...)`` for a sample of
+    ``total`` points, given only those rows ``points [p, 3]`` float64 (m): the same flips, swap
+    and per-point jitter, bit for bit, from a generator in the same state. For a spatial rank
+    that read a hyperslab of the sample (:class:`RangeAugmenter` for several ranges)."""
+    return RangeAugmenter(total, origin, spatial_shape, voxel_size, generator, jitter)(points,
+                                                                                         start)
 
 
 def collate(samples: Sequence[Sample], voxel_size: float, origin: Sequence[float],

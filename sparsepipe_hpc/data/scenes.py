@@ -201,25 +201,31 @@ class SceneDataset:
             box = (xyz.min(0).astype(np.float64), xyz.max(0).astype(np.float64))
         return int(npts), box
 
-    def _read_scene(self, f: h5py.File, name: str
+    def _read_scene(self, f: h5py.File, name: str, rows: Optional[slice] = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(xyz float32 [P,3], feats float32 [P,C], labels int64 [P]) with values checked."""
+        """(xyz float32 [P,3], feats float32 [P,C], labels int64 [P]) with values checked;
+        ``rows``: only points ``[start, stop)`` (an HDF5 hyperslab; messages name the range; the
+        first NaN's index counts from the dataset's start, a range error's from ``start``)."""
         p = self.path
         g = f["scenes"][name]
-        xyz = read(p, g["xyz"])
-        check_finite(p, g["xyz"].name, xyz)
+        sel = () if rows is None else rows
+        at = "" if rows is None else f"[{rows.start}:{rows.stop}]"
+        xyz = read(p, g["xyz"], sel)
+        first = 0 if rows is None else int(rows.start)
+        check_finite(p, g["xyz"].name + at, xyz, first)
         if self._stored_bounds is not None:
-            self._check_in_bounds(g["xyz"].name, xyz)
-        label = read(p, g["label"])
-        check_range(p, g["label"].name, label, 0, len(self.class_names) - 1,
+            self._check_in_bounds(g["xyz"].name + at, xyz)
+        label = read(p, g["label"], sel)
+        check_range(p, g["label"].name + at, label, 0, len(self.class_names) - 1,
                     f"{len(self.class_names)} classes in 'class_names'")
         if self.has_rgb:
-            rgb = read(p, g["rgb"])
+            rgb = read(p, g["rgb"], sel)
             if rgb.dtype == np.uint8:
                 feats = rgb.astype(np.float32) / np.float32(255.0)
             else:
-                check_finite(p, g["rgb"].name, rgb)
-                check_range(p, g["rgb"].name, rgb, 0.0, 1.0, "float colours are scaled to [0, 1]")
+                check_finite(p, g["rgb"].name + at, rgb, first)
+                check_range(p, g["rgb"].name + at, rgb, 0.0, 1.0,
+                            "float colours are scaled to [0, 1]")
                 feats = rgb.astype(np.float32)
         else:
             feats = np.ones((len(xyz), 1), dtype=np.float32)
@@ -264,6 +270,22 @@ class SceneDataset:
         name = self.names[i]
         xyz, feats, labels = self._read_scene(self._h5(), name)
         return Sample(points=xyz, feats=feats, labels=labels, label=None, name=name)
+
+    def read_range(self, i: int, start: int, stop: int) -> Sample:
+        """Points ``[start, stop)`` of scene ``i`` only (HDF5 hyperslabs; for a spatial rank's
+        share of a sample too large to read whole): a :class:`Sample` of ``stop - start`` points,
+        values checked as :meth:`__getitem__` checks them. ``0 <= start <= stop <= sizes[i]``."""
+        n = len(self.names)
+        if not -n <= i < n:
+            raise IndexError(f"scene index {i} out of range for {n} scenes in {self.path}")
+        size = int(self.sizes[i])
+        if not 0 <= start <= stop <= size:
+            raise IndexError(f"point range [{start}, {stop}) is not inside scene "
+                             f"'{self.names[i]}' of {self.path}, which has {size} points")
+        name = self.names[i]
+        xyz, feats, labels = self._read_scene(self._h5(), name, slice(int(start), int(stop)))
+        return Sample(points=xyz, feats=feats, labels=labels, label=None,
+                      name=f"{name}[{start}:{stop}]")
 
     @property
     def num_classes(self) -> int:
