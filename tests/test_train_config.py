@@ -158,3 +158,16 @@ def test_replica_batch_beyond_the_sparse_tensor_limit():
                                           r"pass --batch-size 512 or less"):
         resolve_layout(cfg, 2)
     assert resolve_layout(parse_config(["--batch-size", "512"]), 2).replicas == 2
+
+
+def test_input_modes():
+    from sparsepipe_hpc.train.config import distributed_input
+
+    assert distributed_input(parse_config(["--grid", "2,1,1"]))
+    assert not distributed_input(parse_config([]))                       # no spatial grid
+    assert not distributed_input(parse_config(["--grid", "2,1,1", "--input", "whole"]))
+    assert not distributed_input(parse_config(["--task", "cls", "--grid", "2,1,1"]))
+    assert not distributed_input(parse_config(["--grid", "2,1,1", "--micro-batches", "2"]))
+    for bad in (["--task", "cls"], ["--stages", "2"], ["--micro-batches", "2"]):
+        with pytest.raises(ConfigError, match="--input distributed reads scenes"):
+            parse_config(["--input", "distributed", *bad])

@@ -71,3 +71,17 @@ def test_grid_finer_than_the_data_is_refused_before_step_1(rooms, tmp_path):
     assert first.startswith("sparsepipe_hpc.train: error: --grid 1,1,2 cuts z into 2 boxes")
     assert "use at most 1 rank(s) along z in --grid" in first
     assert "Traceback" not in proc.stderr
+
+
+def test_distributed_input_trains_the_same_run(rooms, tmp_path):
+    """--input distributed (each rank reads its share of every scene's points) gives the loss
+    curve and evaluation of --input whole bit for bit, augmentation on; auto picks it here."""
+    common = ("--grid", "3,1,1", "--augment")
+    whole = run(rooms, tmp_path / "whole", 3, *common, "--input", "whole")
+    dist = run(rooms, tmp_path / "dist", 3, *common, "--input", "distributed")
+    auto = run(rooms, tmp_path / "auto", 3, *common)
+    assert [r["loss"] for r in dist if r["kind"] == "train"] == \
+        [r["loss"] for r in whole if r["kind"] == "train"] == \
+        [r["loss"] for r in auto if r["kind"] == "train"]
+    (e_whole,), (e_dist,) = ([r for r in m if r["kind"] == "eval"] for m in (whole, dist))
+    assert e_dist["oa"] == e_whole["oa"] and e_dist["voxels"] == e_whole["voxels"]

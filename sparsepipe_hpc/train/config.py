@@ -35,9 +35,10 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package (a cond
     import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = ["ConfigError", "TrainConfig", "TASK_DEFAULTS", "build_parser", "parse_config",
-           "resolve_layout", "local_batch_size"]
+           "resolve_layout", "local_batch_size", "distributed_input"]
 
 TASKS = ("seg", "cls")
+INPUTS = ("auto", "whole", "distributed")
 MODEL_TASK = {"unet": "seg", "resnet": "cls"}
 
 #: Defaults that depend on the task; an option the user sets wins. Tuned on the synthetic default
@@ -91,6 +92,7 @@ class TrainConfig:
     engine: str = "auto"
     threads: int = 1
     augment: bool = True
+    input: str = "auto"
     progress: bool = True
     config: Optional[str] = None
 
@@ -176,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--augment", action=argparse.BooleanOptionalAction,
                    help="random flips and x-y swaps (the grid's symmetries) plus jitter of "
                    "training points (default on)")
+    g.add_argument("--input", choices=INPUTS,
+                   help="how a spatial group gets its samples: whole (every rank reads and "
+                   "voxelizes the whole batch, then keeps its box) or distributed (each rank reads "
+                   "only its share of every sample's points and the voxels move to their owners: "
+                   "memory and input time per rank fall with the grid, same result); default "
+                   "auto: distributed for seg on a spatial grid without pipeline stages")
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=_positive_int, help="passes over the training set "
                    "(default 8 seg, 4 cls)")
@@ -307,9 +315,21 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
     if "lr" not in given:
         values["lr"] = values["lr"] * OPTIMIZER_LR_SCALE[values.get("optimizer", "adamw")]
     cfg = TrainConfig(**values)
+    if cfg.input == "distributed" and (cfg.task != "seg" or cfg.stages > 1
+                                       or cfg.micro_batches > 1):
+        raise ConfigError("--input distributed reads scenes (--task seg) for an unpipelined "
+                          "spatial group (no --stages or --micro-batches); use --input whole")
     if cfg.resume == "auto" and cfg.out is None:
         raise ConfigError("--resume auto looks for <out>/last.pt, so it needs --out DIR")
     return cfg
+
+
+def distributed_input(cfg: TrainConfig) -> bool:
+    """Whether each spatial rank reads only its share of the samples (``--input``)."""
+    if cfg.input == "auto":
+        return (cfg.task == "seg" and math.prod(cfg.grid) > 1 and cfg.stages == 1
+                and cfg.micro_batches == 1)
+    return cfg.input == "distributed"
 
 
 def resolve_layout(cfg: TrainConfig, world_size: int) -> RankLayout:

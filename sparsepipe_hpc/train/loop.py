@@ -68,7 +68,9 @@ from sparsepipe_hpc.pipeline.runner import Pipeline
 from sparsepipe_hpc.train import checkpoint as ckpt_io
 from sparsepipe_hpc.train.agreement import (SetupError, agree, check_grid_fits, check_same,
                                             data_fingerprint)
-from sparsepipe_hpc.train.config import TrainConfig, local_batch_size, resolve_layout
+from sparsepipe_hpc.parallel.input import LocalBatch, read_distributed
+from sparsepipe_hpc.train.config import (TrainConfig, distributed_input, local_batch_size,
+                                         resolve_layout)
 from sparsepipe_hpc.train.metrics import ConfusionMatrix, MetricsLog, format_summary
 from sparsepipe_hpc.train.output import OutputError, atomic_write, check_out_dir, format_bytes
 
@@ -155,6 +157,7 @@ class Trainer:
         self.origin, self.shape = agree(comm, lambda: grid_for(
             [self.train_set, self.val_set], cfg.voxel_size, multiple=self.stride))
         check_grid_fits(self.layout.grid, self.shape, self.stride, cfg)
+        self.distributed_input = distributed_input(cfg)
         # Pipeline (--stages, --micro-batches): this rank trains its stage's blocks only; eval
         # runs the same stages forward, one micro-batch per batch.
         self.pipe: Optional[Pipeline] = None
@@ -329,15 +332,25 @@ class Trainer:
     # --- data ------------------------------------------------------------------------------------
     def _batch(self, dataset: Any, indices: Sequence[int], epoch: Optional[int]) -> Any:
         """Voxelize samples; training batches (``epoch`` given) are augmented, each sample from
-        its own (seed, epoch, index) generator, so replicas and resumed runs see the same data."""
-        samples = [dataset[i] for i in indices]
+        its own (seed, epoch, index) generator, so replicas and resumed runs see the same data.
+
+        Whole input: the replica's batch (a :class:`Batch`), cut into boxes by :meth:`_forward`.
+        Distributed input (``--input``): this rank's box only (a :class:`LocalBatch`), read as
+        its share of every sample's points; the same voxels, bit for bit.
+        """
         augment = epoch is not None and self.cfg.augment
         generators = self.batches.sample_generators(indices, epoch) if augment else None
+        if self.distributed_input:
+            return read_distributed(self.ctx, dataset, indices, self.cfg.voxel_size, self.origin,
+                                    self.shape, generators=generators, align=self.stride)
+        samples = [dataset[i] for i in indices]
         return collate(samples, self.cfg.voxel_size, self.origin, self.shape, augment=augment,
                        generator=generators, clip=False)
 
     def _forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(logits, labels, my voxels): logits [n_local, K] (seg) or [B_replica, K] (cls)."""
+        if isinstance(batch, LocalBatch):  # already this rank's box
+            return self.model(batch.x).feats, batch.labels, batch.x.num_voxels
         if self.seg:
             x, labels = self.ctx.distribute(batch.x, batch.labels, align=self.stride)
             return self.model(x).feats, labels, x.num_voxels  # type: ignore[return-value]
@@ -523,7 +536,9 @@ class Trainer:
         self._say(f"{cfg.task}: {cfg.model} width {cfg.width} depth {cfg.depth} "
                   f"({sum(p.numel() for p in self.model.parameters()):,} parameters); "
                   f"{len(self.train_set)} train / {len(self.val_set)} val samples; grid "
-                  f"{'x'.join(map(str, self.shape))} voxels of {cfg.voxel_size} m; {self.layout}; "
+                  f"{'x'.join(map(str, self.shape))} voxels of {cfg.voxel_size} m; {self.layout}"
+                  + (" (each rank reads its share of the points)" if self.distributed_input
+                     else "") + "; "
                   f"{self.total_steps} steps of global batch {cfg.batch_size}; out {self.out}"
                   + (f"; resumed at step {self.step}" if self.resumed_from else ""))
         bar = tqdm(total=self.total_steps, initial=self.step, desc=cfg.task, unit="step",
