@@ -86,6 +86,7 @@ class TrainConfig:
     balance: Optional[str] = None
     micro_batches: int = 1
     pipeline_schedule: str = "1f1b"
+    deferred_bn: bool = False
     cuts: str = "balanced"
     overlap: bool = True
     engine: str = "auto"
@@ -220,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "normalizes each micro-batch by its own statistics (GPipe's semantics)")
     g.add_argument("--pipeline-schedule", choices=("gpipe", "1f1b"), help="pipeline schedule "
                    "(default 1f1b; --schedule is the learning-rate schedule)")
+    g.add_argument("--deferred-bn", action=argparse.BooleanOptionalAction, help="BatchNorm "
+                   "running statistics updated once per mini-batch from all its micro-batches "
+                   "(torchgpipe's DeferredBatchNorm) instead of once per micro-batch (default "
+                   "off: the run then equals one process with the same --micro-batches); loss "
+                   "and gradients are the same either way")
     g.add_argument("--cuts", choices=("balanced", "uniform"), help="spatial cut placement "
                    "(default balanced)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction,

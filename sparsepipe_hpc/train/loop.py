@@ -24,7 +24,9 @@ Pipeline (``--stages S --balance N,... --micro-batches M --pipeline-schedule 1f1
 runs its stage's blocks (sparsepipe_hpc.pipeline.runner.Pipeline) on M whole-sample micro-batches
 of its replica's batch; the last stage holds the loss shares, stage 0 counts the voxels, each
 stage all-reduces and steps its own parameters. BatchNorm normalizes per micro-batch (GPipe's
-semantics: the run equals one process with the same ``--micro-batches``). Evaluation runs the
+semantics: the run equals one process with the same ``--micro-batches``); its running
+statistics take one update per micro-batch, or with ``--deferred-bn`` one per mini-batch from all
+its micro-batches (sparsepipe_hpc.nn.layers.BatchNorm). Evaluation runs the
 stages forward, one micro-batch per batch. Before a checkpoint every stage's weights are
 broadcast to all ranks and each stage's optimizer state gathered, so rank 0 writes the whole model
 (``optimizer_stages`` holds one state per stage); a resume needs the same --stages and --balance.
@@ -161,7 +163,8 @@ class Trainer:
         self.eval_pipe: Optional[Pipeline] = None
         if cfg.stages > 1 or cfg.micro_batches > 1:
             self.pipe = agree(comm, lambda: Pipeline(self.model, self.ctx, cfg.balance,
-                                                     cfg.pipeline_schedule, cfg.micro_batches))
+                                                     cfg.pipeline_schedule, cfg.micro_batches,
+                                                     deferred_bn=cfg.deferred_bn))
             self.eval_pipe = Pipeline(self.model, self.ctx, cfg.balance, "gpipe", 1)
 
         params = list(self.pipe.parameters() if self.pipe else self.model.parameters())

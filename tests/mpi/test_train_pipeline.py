@@ -76,6 +76,37 @@ def test_pipelined_trainer_equals_single_process(comm, shared, tmp_path, kind):
                                   atol=1e-5), k
 
 
+def test_deferred_bn_running_stats_equal_unpipelined(comm, shared, tmp_path):
+    """--deferred-bn with --micro-batches 4: the same losses as the default mode, and after the
+    step the stem BatchNorm's running statistics equal the unpipelined single-process step's
+    (whole batch); the default mode's (one update per micro-batch) do not."""
+    if comm.size != 2:
+        pytest.skip("a 2-stage layout on 2 ranks")
+    opts = ("--steps", "1", "--micro-batches", "4", "--stages", "2", "--balance", "2,4")
+    single_out = tmp_path / "single"
+    Trainer(config(shared, single_out, "--steps", "1", "--micro-batches", "1"), MPI.COMM_SELF,
+            log=None).run()
+    ref = ck.load_checkpoint(single_out / "last.pt")["model"]
+    saved, losses = {}, {}
+    for mode in ("--deferred-bn", "--no-deferred-bn"):
+        out = shared / f"deferred-{mode}"
+        Trainer(config(shared, out, *opts, mode), comm, log=None).run()
+        losses[mode] = curve(out, comm)
+        saved[mode] = ck.load_checkpoint(out / "last.pt")["model"]
+    assert losses["--deferred-bn"] == losses["--no-deferred-bn"]
+    stem = "blocks.0.net.1."
+    for k in ("running_mean", "running_var"):
+        assert torch.allclose(saved["--deferred-bn"][stem + k], ref[stem + k], rtol=1e-5,
+                              atol=1e-6), k
+        assert not torch.allclose(saved["--no-deferred-bn"][stem + k], ref[stem + k], rtol=1e-3,
+                                  atol=1e-4), k
+    assert int(saved["--deferred-bn"][stem + "num_batches_tracked"]) == 1
+    assert int(saved["--no-deferred-bn"][stem + "num_batches_tracked"]) == 4
+    # Deeper BatchNorms: one update per mini-batch in deferred mode, on every stage.
+    assert all(int(v) == 1 for k, v in saved["--deferred-bn"].items()
+               if k.endswith("num_batches_tracked"))
+
+
 def test_pipelined_resume_equals_uninterrupted(comm, shared):
     if comm.size not in LAYOUTS:
         pytest.skip(f"no one-replica pipeline layout for {comm.size} ranks")
