@@ -78,6 +78,7 @@ class TrainConfig:
     seed: int = 0
     out: Optional[str] = None
     resume: Optional[str] = None
+    trace: Optional[str] = None
     checkpoint_every: int = 100
     eval_every: int = 0
     grid: tuple[int, int, int] = (1, 1, 1)
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0)")
     g = p.add_argument_group("output and checkpoints")
     g.add_argument("--out", metavar="DIR", help="run directory (default runs/<task>-<timestamp>)")
+    g.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (JSON) of the "
+                   "training steps: one row per rank with its forward, backward, stage send/"
+                   "receive, halo-wait, all-reduce and step spans (open in ui.perfetto.dev)")
     g.add_argument("--resume", metavar="CKPT|auto", help="continue from a checkpoint; auto: "
                    "<out>/last.pt when it exists, else start afresh")
     g.add_argument("--checkpoint-every", type=_nonneg_int, metavar="N",
