@@ -158,3 +158,12 @@ def test_replica_batch_beyond_the_sparse_tensor_limit():
                                           r"pass --batch-size 512 or less"):
         resolve_layout(cfg, 2)
     assert resolve_layout(parse_config(["--batch-size", "512"]), 2).replicas == 2
+
+
+def test_trace_and_deferred_bn_options(tmp_path):
+    cfg = parse_config(["--trace", str(tmp_path / "t.json"), "--deferred-bn"])
+    assert cfg.trace == str(tmp_path / "t.json") and cfg.deferred_bn is True
+    assert parse_config([]).trace is None and parse_config([]).deferred_bn is False
+    with pytest.raises(ConfigError, match=r"^--trace .* is a directory but names the trace file "
+                                          r"to write; pass a file such as .*trace\.json$"):
+        parse_config(["--trace", str(tmp_path)])

@@ -319,6 +319,9 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
     cfg = TrainConfig(**values)
     if cfg.resume == "auto" and cfg.out is None:
         raise ConfigError("--resume auto looks for <out>/last.pt, so it needs --out DIR")
+    if cfg.trace is not None and Path(cfg.trace).is_dir():  # found now, not after training
+        raise ConfigError(f"--trace {cfg.trace} is a directory but names the trace file to "
+                          f"write; pass a file such as {Path(cfg.trace) / 'trace.json'}")
     return cfg
 
 
