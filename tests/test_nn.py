@@ -9,7 +9,8 @@ import spconv.pytorch as spconv
 from helpers import random_cloud
 from sparsepipe_hpc.engine.spconv_engine import patch_spconv
 from sparsepipe_hpc.nn import (BatchNorm, ConvError, GlobalPool, SparseConv3d,
-                               SparseInverseConv3d, SparseResNet, SparseUNet, SubMConv3d)
+                               SparseInverseConv3d, SparseResNet, SparseUNet, SubMConv3d,
+                               commit_batchnorm, set_deferred_batchnorm)
 
 
 @pytest.mark.parametrize("engine", ["torch", "spconv"])
@@ -58,6 +59,26 @@ def test_batchnorm_matches_torch(gen):
     ours.eval()
     ref.eval()
     torch.testing.assert_close(ours(x).feats, ref(x.feats))
+
+
+def test_deferred_batchnorm_running_stats_equal_one_layer_over_the_whole_batch(gen):
+    """Deferred: micro-batch outputs are normalized per micro-batch (as the default mode), the
+    running statistics take one update from all micro-batches = torch's over the whole batch."""
+    x = random_cloud(gen, 300, channels=5)
+    full = torch.nn.BatchNorm1d(5).double()
+    full(x.feats)
+    default, deferred = BatchNorm(5).double(), BatchNorm(5, deferred=True).double()
+    for rows in torch.tensor_split(torch.arange(len(x.feats)), 3):
+        part = x.replace(feats=x.feats[rows], coords=x.coords[rows])
+        torch.testing.assert_close(deferred(part).feats, default(part).feats)
+    torch.testing.assert_close(deferred.running_mean, torch.zeros(5, dtype=torch.float64))
+    assert int(deferred.num_batches_tracked) == 0 and int(default.num_batches_tracked) == 3
+    assert commit_batchnorm(deferred) == 1 and not deferred.commit()
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(deferred, name), getattr(full, name))
+    assert not torch.allclose(default.running_var, full.running_var)
+    assert set_deferred_batchnorm(deferred, False) == 1 and not deferred.deferred
+    assert "deferred=True" in repr(BatchNorm(2, deferred=True))
 
 
 @pytest.mark.parametrize("mode", ["avg", "max"])

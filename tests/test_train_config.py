@@ -171,3 +171,12 @@ def test_input_modes():
     for bad in (["--task", "cls"], ["--stages", "2"], ["--micro-batches", "2"]):
         with pytest.raises(ConfigError, match="--input distributed reads scenes"):
             parse_config(["--input", "distributed", *bad])
+
+
+def test_trace_and_deferred_bn_options(tmp_path):
+    cfg = parse_config(["--trace", str(tmp_path / "t.json"), "--deferred-bn"])
+    assert cfg.trace == str(tmp_path / "t.json") and cfg.deferred_bn is True
+    assert parse_config([]).trace is None and parse_config([]).deferred_bn is False
+    with pytest.raises(ConfigError, match=r"^--trace .* is a directory but names the trace file "
+                                          r"to write; pass a file such as .*trace\.json$"):
+        parse_config(["--trace", str(tmp_path)])

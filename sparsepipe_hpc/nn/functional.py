@@ -12,14 +12,14 @@ the forward all-reduce.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from halo.kmap import KernelMap, coord_keys
 from sparsepipe_hpc.engine.base import Engine
 
-__all__ = ["sparse_conv", "batch_norm", "global_pool", "allreduce_"]
+__all__ = ["sparse_conv", "batch_norm", "update_running_stats", "global_pool", "allreduce_"]
 
 
 def allreduce_(t: torch.Tensor, comm: Any, op: str = "sum") -> torch.Tensor:
@@ -61,7 +61,8 @@ def sparse_conv(feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,
 
 class _BatchNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, comm):
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, comm,
+                stats_out):
         if training:
             xd = x.double()
             stats = torch.cat([xd.sum(0), (xd * xd).sum(0),
@@ -72,12 +73,11 @@ class _BatchNorm(torch.autograd.Function):
             n = stats[-1]
             if n < 2:
                 raise ValueError(f"BatchNorm needs at least 2 voxels over the group; got {int(n)}")
-            mean = stats[:c] / n
-            var = (stats[c:2 * c] / n - mean * mean).clamp_(min=0)
-            with torch.no_grad():
-                running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
-                running_var.mul_(1 - momentum).add_(
-                    momentum * (var * n / (n - 1)).to(running_var.dtype))
+            mean, var = _moments(stats, c)
+            if stats_out is None:
+                update_running_stats(stats, running_mean, running_var, momentum)
+            else:  # deferred: the caller folds the mini-batch's sums in once (BatchNorm.commit)
+                stats_out.add_(stats.to(stats_out.dtype))
             mean, var = mean.to(x.dtype), var.to(x.dtype)
         else:
             mean, var, n = running_mean, running_var, None
@@ -93,22 +93,49 @@ class _BatchNorm(torch.autograd.Function):
         g_w = (dy * xhat).sum(0)
         g_b = dy.sum(0)
         if not ctx.training:
-            return dy * weight * invstd, g_w, g_b, None, None, None, None, None, None
+            return dy * weight * invstd, g_w, g_b, None, None, None, None, None, None, None
         sums = torch.cat([g_b, g_w]).double()
         allreduce_(sums, ctx.comm)
         c = dy.shape[1]
         mean_dy = (sums[:c] / ctx.n).to(dy.dtype)
         mean_dy_xhat = (sums[c:] / ctx.n).to(dy.dtype)
         dx = (dy - mean_dy - xhat * mean_dy_xhat) * (weight * invstd)
-        return dx, g_w, g_b, None, None, None, None, None, None
+        return dx, g_w, g_b, None, None, None, None, None, None, None
+
+
+def _moments(stats: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance [C] from ``stats = [sum x (C), sum x^2 (C), count (1)]``."""
+    n = stats[-1]
+    mean = stats[:c] / n
+    return mean, (stats[c:2 * c] / n - mean * mean).clamp_(min=0)
+
+
+def update_running_stats(stats: torch.Tensor, running_mean: torch.Tensor,
+                         running_var: torch.Tensor, momentum: float) -> None:
+    """Fold one batch's ``stats = [sum x (C), sum x^2 (C), count (1)]`` (float64, already
+    reduced over the group) into the running statistics, as torch's BatchNorm does: momentum
+    average of the mean and of the unbiased variance."""
+    c = running_mean.shape[0]
+    n = stats[-1]
+    if n < 2:
+        raise ValueError(f"BatchNorm needs at least 2 voxels over the group; got {int(n)}")
+    mean, var = _moments(stats, c)
+    with torch.no_grad():
+        running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
+        running_var.mul_(1 - momentum).add_(momentum * (var * n / (n - 1)).to(running_var.dtype))
 
 
 def batch_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                running_mean: torch.Tensor, running_var: torch.Tensor, training: bool,
-               momentum: float, eps: float, comm: Any = None) -> torch.Tensor:
-    """BatchNorm over the rows of ``x [N, C]``, statistics all-reduced over ``comm``."""
+               momentum: float, eps: float, comm: Any = None,
+               stats_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """BatchNorm over the rows of ``x [N, C]``, statistics all-reduced over ``comm``.
+
+    ``stats_out`` (float64 [2C + 1]): in training mode, add this batch's reduced statistics
+    ``[sum x, sum x^2, count]`` to it instead of updating the running statistics (deferred
+    BatchNorm; :func:`update_running_stats` folds the sum in later)."""
     return _BatchNorm.apply(x, weight, bias, running_mean, running_var, training, momentum, eps,
-                            comm)
+                            comm, stats_out)
 
 
 class _GlobalPool(torch.autograd.Function):

@@ -42,6 +42,7 @@ from halo.transport.mpi import MPITransport
 from sparsepipe_hpc.engine.base import Engine
 from sparsepipe_hpc.nn.conv import ConvEntry, inverse_entry
 from sparsepipe_hpc.sparse import SparseTensor
+from sparsepipe_hpc.tracing import span
 
 __all__ = ["SpatialGroup", "SpatialDomain"]
 
@@ -58,7 +59,8 @@ class DistMaps:
     def wait(self, pending: Any) -> Any:
         """Wait for an exchange, counting the time blocked as exposed communication."""
         t = time.perf_counter()
-        out = pending.wait()
+        with span("halo wait", "halo"):
+            out = pending.wait()
         self.group.exposed_wait_s += time.perf_counter() - t
         return out
 

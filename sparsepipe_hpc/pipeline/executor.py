@@ -41,6 +41,7 @@ from sparsepipe_hpc.pipeline.carry import INPUT, CarryPlan, PipelineError
 from sparsepipe_hpc.pipeline.p2p import PendingCarry, PendingGrads, StageLink
 from sparsepipe_hpc.pipeline.schedule import Action, Op, Schedule
 from sparsepipe_hpc.sparse import SparseTensor
+from sparsepipe_hpc.tracing import span
 
 __all__ = ["StageExecutor", "sample_bounds", "split_batch"]
 
@@ -79,6 +80,11 @@ def split_batch(x: SparseTensor, micro_batches: int,
         xi = SparseTensor(coords, x.feats[rows], x.spatial_shape, hi - lo, x.stride)
         out.append((xi, *(p[rows] for p in payloads)))
     return out
+
+
+# Trace categories of the actions (sparsepipe_hpc.tracing; render.py uses the same for simulations).
+_CATEGORY = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_ACT: "send",
+             Op.SEND_GRAD: "send", Op.RECV_ACT: "recv", Op.RECV_GRAD: "recv", Op.STEP: "step"}
 
 
 def _mb_peer(act: Action) -> tuple[int, int]:
@@ -148,50 +154,53 @@ class StageExecutor:
             actions = tuple(a for a in actions
                             if a.op in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT))
         for act in actions:
-            if act.op is Op.STEP:
-                for r in sends:
-                    r.wait()
-                sends.clear()
-                if step is not None:
-                    step()
-                continue
-            i, peer = _mb_peer(act)
-            if act.op is Op.RECV_ACT:
-                got = link.finish_carry(carries.pop((i, peer)), contexts[i], kmaps[i])
-                slots = plan.recv_slots(peer)
-                if len(got) != len(slots):
-                    raise PipelineError(f"stage {self.stage} expected {len(slots)} carry "
-                                        f"entries from stage {peer}, got {len(got)}")
-                received[i].update(zip((s.id for s in slots), got))
-            elif act.op is Op.FORWARD:
-                carry = [inputs[i] if s.producer == INPUT else received[i][s.id]
-                         for s in plan.inputs]
-                with torch.set_grad_enabled(backward):
-                    for block in self.blocks:
-                        carry = block(carry)
-                    if len(carry) != len(plan.outputs):
-                        raise PipelineError(f"stage {self.stage}'s blocks left {len(carry)} carry "
-                                            f"entries but their carry_arity says "
-                                            f"{len(plan.outputs)}")
-                    outputs[i] = dict(zip((s.id for s in plan.outputs), carry))
-                    if self.last:
-                        losses[i] = loss_fn(i, carry[-1])  # type: ignore[misc]
-            elif act.op is Op.SEND_ACT:
-                ents = [outputs[i][s.id] for s in plan.send_slots(peer)]
-                rank = self.peer_rank(peer)
-                sends += link.send_carry(rank, i, ents)
-                if backward:
-                    grad_recvs[(i, peer)] = link.post_grads(rank, i, ents)
-            elif act.op is Op.RECV_GRAD:
-                got_g = link.finish_grads(grad_recvs.pop((i, peer)))
-                out_grads[i].update(zip((s.id for s in plan.send_slots(peer)), got_g))
-            elif act.op is Op.BACKWARD:
-                in_grads[i] = self._backward(i, outputs.pop(i), out_grads.pop(i),
-                                             received.pop(i), losses.get(i))
-                kmaps.pop(i)
-            elif act.op is Op.SEND_GRAD:
-                grads = [in_grads[i].pop(s.id) for s in plan.recv_slots(peer)]
-                sends += link.send_grads(self.peer_rank(peer), i, grads)
+            with span(str(act), _CATEGORY[act.op], micro_batch=act.micro_batch,
+                      peer=act.peer):
+                if act.op is Op.STEP:
+                    with span("wait sends", "idle"):
+                        for r in sends:
+                            r.wait()
+                    sends.clear()
+                    if step is not None:
+                        step()
+                    continue
+                i, peer = _mb_peer(act)
+                if act.op is Op.RECV_ACT:
+                    got = link.finish_carry(carries.pop((i, peer)), contexts[i], kmaps[i])
+                    slots = plan.recv_slots(peer)
+                    if len(got) != len(slots):
+                        raise PipelineError(f"stage {self.stage} expected {len(slots)} carry "
+                                            f"entries from stage {peer}, got {len(got)}")
+                    received[i].update(zip((s.id for s in slots), got))
+                elif act.op is Op.FORWARD:
+                    carry = [inputs[i] if s.producer == INPUT else received[i][s.id]
+                             for s in plan.inputs]
+                    with torch.set_grad_enabled(backward):
+                        for block in self.blocks:
+                            carry = block(carry)
+                        if len(carry) != len(plan.outputs):
+                            raise PipelineError(f"stage {self.stage}'s blocks left {len(carry)} "
+                                                f"carry entries but their carry_arity says "
+                                                f"{len(plan.outputs)}")
+                        outputs[i] = dict(zip((s.id for s in plan.outputs), carry))
+                        if self.last:
+                            losses[i] = loss_fn(i, carry[-1])  # type: ignore[misc]
+                elif act.op is Op.SEND_ACT:
+                    ents = [outputs[i][s.id] for s in plan.send_slots(peer)]
+                    rank = self.peer_rank(peer)
+                    sends += link.send_carry(rank, i, ents)
+                    if backward:
+                        grad_recvs[(i, peer)] = link.post_grads(rank, i, ents)
+                elif act.op is Op.RECV_GRAD:
+                    got_g = link.finish_grads(grad_recvs.pop((i, peer)))
+                    out_grads[i].update(zip((s.id for s in plan.send_slots(peer)), got_g))
+                elif act.op is Op.BACKWARD:
+                    in_grads[i] = self._backward(i, outputs.pop(i), out_grads.pop(i),
+                                                 received.pop(i), losses.get(i))
+                    kmaps.pop(i)
+                elif act.op is Op.SEND_GRAD:
+                    grads = [in_grads[i].pop(s.id) for s in plan.recv_slots(peer)]
+                    sends += link.send_grads(self.peer_rank(peer), i, grads)
         if not backward:
             for r in sends:
                 r.wait()

@@ -14,6 +14,13 @@ gradient all-reduce (ParallelContext.allreduce_gradients over the stage's ranks)
 BatchNorm in training mode normalizes each micro-batch by its own statistics over the stage's
 ranks (GPipe's semantics): the result equals the single-process run over the same micro-batches
 (micro-batch i of the global batch = every replica's micro-batch i), not the unsplit batch.
+The running statistics by default take one momentum update per micro-batch, as that same
+single-process run does (so it stays the exact oracle, and BatchNorm needs no pipeline hook).
+``deferred_bn=True`` (trainer ``--deferred-bn``; torchgpipe's DeferredBatchNorm) instead
+accumulates each micro-batch's statistics and folds them in once at the end of :meth:`run`: one
+update per mini-batch from all its voxels (the unpipelined run's for the first BatchNorm; deeper
+ones see inputs normalized per micro-batch), while loss and gradients are unchanged (forward
+still normalizes per micro-batch). See sparsepipe_hpc.nn.layers.BatchNorm.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 
 from halo.transport.base import Transport
 from halo.transport.mpi import MPITransport
+from sparsepipe_hpc.nn.layers import commit_batchnorm, set_deferred_batchnorm
 from sparsepipe_hpc.pipeline.carry import CarryPlan, PipelineError, parse_balance, plan_carry
 from sparsepipe_hpc.pipeline.executor import StageExecutor
 from sparsepipe_hpc.pipeline.p2p import StageLink
@@ -49,12 +57,13 @@ class Pipeline:
     ``balance``: blocks per stage ("5,4" or a sequence; None: :func:`even_balance`), one entry per
     stage of ``ctx.layout``. ``transport``: for stage messages, over a communicator whose ranks
     are the world's (default: MPI over a duplicate of ``ctx.world``, so stage tags never meet
-    other traffic).
+    other traffic). ``deferred_bn``: switch this stage's BatchNorms to deferred running
+    statistics (True) or per-micro-batch updates (False); None leaves them as they are.
     """
 
     def __init__(self, model: Any, ctx: Any, balance: Optional[str | Sequence[int]] = None,
                  schedule: str = "1f1b", micro_batches: int = 1,
-                 transport: Optional[Transport] = None):
+                 transport: Optional[Transport] = None, deferred_bn: Optional[bool] = None):
         stages = ctx.layout.stages
         n = len(model.blocks)
         parts = even_balance(n, stages) if balance is None else parse_balance(balance, n, stages)
@@ -67,6 +76,8 @@ class Pipeline:
         self.is_first, self.is_last = self.stage == 0, self.stage == stages - 1
         a, b = self.plan.stages[self.stage].blocks
         self.blocks = model.blocks[a:b]
+        if deferred_bn is not None:
+            set_deferred_batchnorm(self.blocks, deferred_bn)
         pos, layout = ctx.position, ctx.layout
         link = StageLink(transport if transport is not None else MPITransport(ctx.world.Dup()))
         self.executor = StageExecutor(self.blocks, self.plan, self.schedule, self.stage, link,
@@ -83,5 +94,7 @@ class Pipeline:
         """One mini-batch through the schedule (StageExecutor.run's contract); loss shares of
         the micro-batches on the last stage, [] elsewhere. ``backward=False``: forward only
         (evaluation), ``loss_fn``'s results returned."""
-        return self.executor.run(inputs if self.is_first else [None] * self.micro_batches,
-                                 contexts, loss_fn if self.is_last else None, step, backward)
+        shares = self.executor.run(inputs if self.is_first else [None] * self.micro_batches,
+                                   contexts, loss_fn if self.is_last else None, step, backward)
+        commit_batchnorm(self.blocks)  # deferred BatchNorm: one update for the mini-batch
+        return shares

@@ -79,6 +79,7 @@ class TrainConfig:
     seed: int = 0
     out: Optional[str] = None
     resume: Optional[str] = None
+    trace: Optional[str] = None
     checkpoint_every: int = 100
     eval_every: int = 0
     grid: tuple[int, int, int] = (1, 1, 1)
@@ -87,6 +88,7 @@ class TrainConfig:
     balance: Optional[str] = None
     micro_batches: int = 1
     pipeline_schedule: str = "1f1b"
+    deferred_bn: bool = False
     cuts: str = "balanced"
     overlap: bool = True
     engine: str = "auto"
@@ -205,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0)")
     g = p.add_argument_group("output and checkpoints")
     g.add_argument("--out", metavar="DIR", help="run directory (default runs/<task>-<timestamp>)")
+    g.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (JSON) of the "
+                   "training steps: one row per rank with its forward, backward, stage send/"
+                   "receive, halo-wait, all-reduce and step spans (open in ui.perfetto.dev)")
     g.add_argument("--resume", metavar="CKPT|auto", help="continue from a checkpoint; auto: "
                    "<out>/last.pt when it exists, else start afresh")
     g.add_argument("--checkpoint-every", type=_nonneg_int, metavar="N",
@@ -228,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "normalizes each micro-batch by its own statistics (GPipe's semantics)")
     g.add_argument("--pipeline-schedule", choices=("gpipe", "1f1b"), help="pipeline schedule "
                    "(default 1f1b; --schedule is the learning-rate schedule)")
+    g.add_argument("--deferred-bn", action=argparse.BooleanOptionalAction, help="BatchNorm "
+                   "running statistics updated once per mini-batch from all its micro-batches "
+                   "(torchgpipe's DeferredBatchNorm) instead of once per micro-batch (default "
+                   "off: the run then equals one process with the same --micro-batches); loss "
+                   "and gradients are the same either way")
     g.add_argument("--cuts", choices=("balanced", "uniform"), help="spatial cut placement "
                    "(default balanced)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
@@ -321,6 +331,9 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
                           "spatial group (no --stages or --micro-batches); use --input whole")
     if cfg.resume == "auto" and cfg.out is None:
         raise ConfigError("--resume auto looks for <out>/last.pt, so it needs --out DIR")
+    if cfg.trace is not None and Path(cfg.trace).is_dir():  # found now, not after training
+        raise ConfigError(f"--trace {cfg.trace} is a directory but names the trace file to "
+                          f"write; pass a file such as {Path(cfg.trace) / 'trace.json'}")
     return cfg
 
 

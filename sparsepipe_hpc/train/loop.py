@@ -24,10 +24,16 @@ Pipeline (``--stages S --balance N,... --micro-batches M --pipeline-schedule 1f1
 runs its stage's blocks (sparsepipe_hpc.pipeline.runner.Pipeline) on M whole-sample micro-batches
 of its replica's batch; the last stage holds the loss shares, stage 0 counts the voxels, each
 stage all-reduces and steps its own parameters. BatchNorm normalizes per micro-batch (GPipe's
-semantics: the run equals one process with the same ``--micro-batches``). Evaluation runs the
+semantics: the run equals one process with the same ``--micro-batches``); its running
+statistics take one update per micro-batch, or with ``--deferred-bn`` one per mini-batch from all
+its micro-batches (sparsepipe_hpc.nn.layers.BatchNorm). Evaluation runs the
 stages forward, one micro-batch per batch. Before a checkpoint every stage's weights are
 broadcast to all ranks and each stage's optimizer state gathered, so rank 0 writes the whole model
 (``optimizer_stages`` holds one state per stage); a resume needs the same --stages and --balance.
+
+Trace (``--trace FILE``): every rank records the wall-clock spans of its training steps
+(sparsepipe_hpc.tracing: pipeline actions, forward/backward, halo waits, gradient all-reduce,
+optimizer), rank 0 gathers them at the end and writes one Chrome/Perfetto JSON, a row per rank.
 
 Resume: model, optimizer moments, data position and RNG states come from the checkpoint; the
 learning-rate schedule does not. It is a pure function of (step, total steps) with the current
@@ -52,7 +58,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -73,6 +79,7 @@ from sparsepipe_hpc.train.config import (TrainConfig, distributed_input, local_b
                                          resolve_layout)
 from sparsepipe_hpc.train.metrics import ConfusionMatrix, MetricsLog, format_summary
 from sparsepipe_hpc.train.output import OutputError, atomic_write, check_out_dir, format_bytes
+from sparsepipe_hpc.tracing import Recorder, gather_chrome_trace, recording, span
 
 __all__ = ["Trainer", "SetupError", "LrSchedule"]
 
@@ -164,7 +171,8 @@ class Trainer:
         self.eval_pipe: Optional[Pipeline] = None
         if cfg.stages > 1 or cfg.micro_batches > 1:
             self.pipe = agree(comm, lambda: Pipeline(self.model, self.ctx, cfg.balance,
-                                                     cfg.pipeline_schedule, cfg.micro_batches))
+                                                     cfg.pipeline_schedule, cfg.micro_batches,
+                                                     deferred_bn=cfg.deferred_bn))
             self.eval_pipe = Pipeline(self.model, self.ctx, cfg.balance, "gpipe", 1)
 
         params = list(self.pipe.parameters() if self.pipe else self.model.parameters())
@@ -364,16 +372,20 @@ class Trainer:
         batch = self._batch(self.train_set, indices, epoch)
         if self.pipe is not None:
             return self._pipeline_step(batch)
-        logits, labels, n_local = self._forward(batch)
-        ce = F.cross_entropy(logits, labels, reduction="sum")
-        if self.seg:
-            share = ce / self.ctx.global_count(n_local)
-        else:  # every spatial rank holds the replica's pooled logits: each carries 1/spatial
-            share = ce / (self.cfg.batch_size * self.ctx.spatial_size)
+        with span("forward", "forward"):
+            logits, labels, n_local = self._forward(batch)
+            ce = F.cross_entropy(logits, labels, reduction="sum")
+            if self.seg:
+                share = ce / self.ctx.global_count(n_local)
+            else:  # every spatial rank holds the replica's pooled logits: each carries 1/spatial
+                share = ce / (self.cfg.batch_size * self.ctx.spatial_size)
         self.optimizer.zero_grad(set_to_none=True)
-        share.backward()
-        self.ctx.allreduce_gradients(self.model)
-        self.optimizer.step()
+        with span("backward", "backward"):
+            share.backward()
+        with span("allreduce", "allreduce"):
+            self.ctx.allreduce_gradients(self.model)
+        with span("optimizer", "optimizer"):
+            self.optimizer.step()
         self.scheduler.step()
         return share.detach(), n_local
 
@@ -389,16 +401,17 @@ class Trainer:
         parts = split_batch(batch.x, m, batch.labels) if self.seg else split_batch(batch.x, m)
         inputs, contexts, targets, n_local = [], [], [], 0
         y: Any
-        for part, (lo, hi) in zip(parts, sample_bounds(batch.x.batch_size, m)):
-            if self.seg:
-                x, y = ctx.distribute(part[0], part[1], align=self.stride)
-            else:
-                (x,) = ctx.distribute(part[0], align=self.stride)
-                y = batch.labels[lo:hi]
-            inputs.append(x)
-            contexts.append(x.context)
-            targets.append(y)
-            n_local += x.num_voxels
+        with span("distribute", "input"):
+            for part, (lo, hi) in zip(parts, sample_bounds(batch.x.batch_size, m)):
+                if self.seg:
+                    x, y = ctx.distribute(part[0], part[1], align=self.stride)
+                else:
+                    (x,) = ctx.distribute(part[0], align=self.stride)
+                    y = batch.labels[lo:hi]
+                inputs.append(x)
+                contexts.append(x.context)
+                targets.append(y)
+                n_local += x.num_voxels
         # seg: voxels of the global batch (every stage holds them all); cls: as in train_step.
         denom = (ctx.global_count(n_local) if self.seg
                  else self.cfg.batch_size * ctx.spatial_size)
@@ -408,8 +421,10 @@ class Trainer:
             return F.cross_entropy(logits, targets[i], reduction="sum") / denom
 
         def step() -> None:
-            ctx.allreduce_gradients(self.train_params)
-            self.optimizer.step()
+            with span("allreduce", "allreduce"):
+                ctx.allreduce_gradients(self.train_params)
+            with span("optimizer", "optimizer"):
+                self.optimizer.step()
 
         self.optimizer.zero_grad(set_to_none=True)
         shares = pipe.run(inputs, contexts, loss_fn, step)
@@ -547,12 +562,14 @@ class Trainer:
         last_train: Optional[dict[str, Any]] = None
         last_eval: Optional[dict[str, Any]] = None
         stopped = False
+        recorder = Recorder.start(self.comm) if cfg.trace else None  # collective
         t0 = time.perf_counter()
         while self.step < self.total_steps and not stopped:
             for indices in self.batches:
                 epoch = self.epoch = self.batches.epoch
                 lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
-                share, n_local = self.train_step(indices, epoch)
+                with recording(recorder):
+                    share, n_local = self.train_step(indices, epoch)
                 self.step += 1
                 stop = float(bool(self.should_stop()))
                 stats = torch.tensor([float(share), float(n_local), stop,
@@ -594,10 +611,27 @@ class Trainer:
             last_eval = self.evaluate()
             self.metrics.write(last_eval)
         agree(self.comm, self.metrics.close)  # the last records reach the disk, or every rank hears
+        if recorder is not None:
+            self._write_trace(recorder)
         summary = format_summary(last_train, last_eval, time.perf_counter() - t_start)
         self._say(summary)
         return {"step": self.step, "stopped": stopped, "train": last_train, "eval": last_eval,
                 "summary": summary}
+
+    def _write_trace(self, recorder: Recorder) -> None:
+        """Gather every rank's spans and write ``--trace`` on rank 0. **Collective.**"""
+        path = Path(cast(str, self.cfg.trace))
+        pos = self.ctx.position
+        label = (f"rank {self.comm.rank}: stage {pos.stage}, replica {pos.replica}, "
+                 f"spatial {pos.spatial}")
+        trace = gather_chrome_trace(recorder, self.comm, label)
+
+        def write() -> None:
+            if trace is not None:
+                atomic_write(path, lambda f: f.write(json.dumps(trace).encode()), "--trace")
+
+        agree(self.comm, write)
+        self._say(f"trace: {path} (open in ui.perfetto.dev)")
 
     # --- messages --------------------------------------------------------------------------------
     def _say(self, text: str, bar: Any = None) -> None:

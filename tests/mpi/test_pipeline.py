@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from sparsepipe_hpc.nn import SparseResNet, SparseUNet
+from sparsepipe_hpc.nn import (BatchNorm, SparseResNet, SparseUNet, commit_batchnorm,
+                               set_deferred_batchnorm)
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
 from sparsepipe_hpc.pipeline.carry import PipelineError, plan_carry
@@ -126,14 +127,14 @@ def pipelined(request):
     return run
 
 
-def _pipelined(comm, model, batch, name, stages, grid, kind, m, backward=True):
+def _pipelined(comm, model, batch, name, stages, grid, kind, m, backward=True, deferred_bn=None):
     """This rank's part of the pipelined step; returns (position, carry plan, global loss)."""
     layout = RankLayout.from_world(comm.size, grid=grid, stages=stages)
     ctx = ParallelContext(comm, layout)
     pos = ctx.position
     x, vlab, slab = batch
     pipe = Pipeline(model, ctx, balance=",".join(map(str, BALANCE[name][stages])),
-                    schedule=kind, micro_batches=m)
+                    schedule=kind, micro_batches=m, deferred_bn=deferred_bn)
     per = GLOBAL_BATCH // layout.replicas
     xr, vr, sr = select(x, vlab, slab, range(pos.replica * per, (pos.replica + 1) * per))
     inputs, contexts, labels = [], [], []
@@ -209,6 +210,53 @@ def test_pipeline_eval_bn_equals_full_batch(comm, pipelined, kind):
                                     GLOBAL_BATCH // replicas)
         assert loss == pytest.approx(ref_loss, rel=1e-10)
         compare(model, ref, plan.stages[pos.stage], pos)
+
+
+def bns(model):
+    return (m for m in model.modules() if isinstance(m, BatchNorm))
+
+
+FIRST_BN = "blocks.0.net.1."  # the stem's BatchNorm: its input does not depend on any other BN
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["unet", "resnet"])
+def test_deferred_bn_running_stats(comm, pipelined, name, kind):
+    """Deferred BatchNorm: loss and gradients are those of the per-micro-batch mode (the serial
+    run over the same micro-batches); every BatchNorm's running statistics take one update over
+    all the voxels it saw in the mini-batch (the serial deferred run's), so the first one equals
+    the unpipelined full-batch step's. The default mode updates per micro-batch and does not."""
+    if not layouts(comm):
+        pytest.skip(f"no pipeline layout for {comm.size} ranks")
+    batch = make_batch(14)
+    full = build(name)
+    oracle(full, batch, name, [list(range(GLOBAL_BATCH))])
+    full_bufs = dict(full.named_buffers())
+    for stages, grid in layouts(comm):
+        replicas = comm.size // (stages * grid[0] * grid[1] * grid[2])
+        m = GLOBAL_BATCH // replicas
+        groups = [sum((micro_samples(replicas, m)[r][i] for r in range(replicas)), [])
+                  for i in range(m)]
+        for deferred in (True, False):
+            ref = build(name)
+            set_deferred_batchnorm(ref, deferred)
+            ref_loss = oracle(ref, batch, name, groups)
+            assert commit_batchnorm(ref) == (len(list(bns(ref))) if deferred else 0)
+            model = build(name)
+            pos, plan, loss = pipelined(comm, model, batch, name, stages, grid, kind, m, True,
+                                        deferred)
+            assert loss == pytest.approx(ref_loss, rel=1e-10), (stages, grid, deferred)
+            compare(model, ref, plan.stages[pos.stage], pos)
+            first = {n: t for n, t in model.named_buffers() if n.startswith(FIRST_BN)}
+            assert len(first) == 3
+            if pos.stage == 0:
+                if deferred or m == 1:
+                    for n, t in first.items():
+                        torch.testing.assert_close(t, full_bufs[n], **TOL, msg=n)
+                else:
+                    assert not torch.allclose(first[FIRST_BN + "running_var"],
+                                              full_bufs[FIRST_BN + "running_var"])
+                    assert int(first[FIRST_BN + "num_batches_tracked"]) == m
 
 
 @pytest.mark.parametrize("name", ["unet", "resnet"])

@@ -11,6 +11,7 @@ that at the executor level). SGD, as in test_train_parallel.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,83 @@ def test_pipelined_trainer_equals_single_process(comm, shared, tmp_path, kind):
         for k, v in ref.items():
             assert torch.allclose(saved["model"][k].double(), v.double(), rtol=1e-4,
                                   atol=1e-5), k
+
+
+def test_deferred_bn_running_stats_equal_unpipelined(comm, shared, tmp_path):
+    """--deferred-bn with --micro-batches 4: the same losses as the default mode, and after the
+    step the stem BatchNorm's running statistics equal the unpipelined single-process step's
+    (whole batch); the default mode's (one update per micro-batch) do not."""
+    if comm.size != 2:
+        pytest.skip("a 2-stage layout on 2 ranks")
+    opts = ("--steps", "1", "--micro-batches", "4", "--stages", "2", "--balance", "2,4")
+    single_out = tmp_path / "single"
+    Trainer(config(shared, single_out, "--steps", "1", "--micro-batches", "1"), MPI.COMM_SELF,
+            log=None).run()
+    ref = ck.load_checkpoint(single_out / "last.pt")["model"]
+    saved, losses = {}, {}
+    for mode in ("--deferred-bn", "--no-deferred-bn"):
+        out = shared / f"deferred-{mode}"
+        Trainer(config(shared, out, *opts, mode), comm, log=None).run()
+        losses[mode] = curve(out, comm)
+        saved[mode] = ck.load_checkpoint(out / "last.pt")["model"]
+    assert losses["--deferred-bn"] == losses["--no-deferred-bn"]
+    stem = "blocks.0.net.1."
+    for k in ("running_mean", "running_var"):
+        assert torch.allclose(saved["--deferred-bn"][stem + k], ref[stem + k], rtol=1e-5,
+                              atol=1e-6), k
+        assert not torch.allclose(saved["--no-deferred-bn"][stem + k], ref[stem + k], rtol=1e-3,
+                                  atol=1e-4), k
+    assert int(saved["--deferred-bn"][stem + "num_batches_tracked"]) == 1
+    assert int(saved["--no-deferred-bn"][stem + "num_batches_tracked"]) == 4
+    # Deeper BatchNorms: one update per mini-batch in deferred mode, on every stage.
+    assert all(int(v) == 1 for k, v in saved["--deferred-bn"].items()
+               if k.endswith("num_batches_tracked"))
+
+
+TOP = {"forward", "backward", "send", "recv", "step", "input"}  # a rank's sequential actions
+
+
+def test_trace_has_one_row_per_rank_with_the_schedule_actions(comm, shared, tmp_path):
+    """--trace: rank 0 writes a Chrome trace, one row per rank; each row's top-level spans are
+    its stage's schedule actions in program order (after each step's input distribution),
+    never overlapping; all-reduce, send drains and halo waits nest inside them."""
+    if comm.size not in LAYOUTS:
+        pytest.skip(f"no one-replica pipeline layout for {comm.size} ranks")
+    stages, grid, balance = LAYOUTS[comm.size][0]
+    path = Path(comm.bcast(str(tmp_path / "trace.json") if comm.rank == 0 else None))
+    steps = 2
+    t = Trainer(config(shared, shared / f"trace-{comm.size}", "--stages", str(stages), "--grid",
+                       grid, "--balance", balance, "--steps", str(steps), "--trace", str(path)),
+                comm, log=None)
+    t.run()
+    assert t.pipe is not None
+    programs = comm.allgather([str(a) for a in t.pipe.schedule.actions[t.pipe.stage]])
+    positions = comm.allgather(t.ctx.position)
+    comm.Barrier()
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert sorted(names) == list(range(comm.size))
+    for r in range(comm.size):
+        assert names[r].startswith(f"rank {r}: stage {positions[r].stage}")
+        row = sorted((e for e in events if e.get("tid") == r and e["ph"] == "X"),
+                     key=lambda e: (e["ts"], -e["dur"]))
+        top = [e for e in row if e["cat"] in TOP]
+        assert [e["name"] for e in top] == (["distribute"] + programs[r]) * steps, r
+        for a, b in zip(top, top[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (r, a, b)
+        nested = [e for e in row if e["cat"] not in TOP]
+        assert sum(e["name"] == "allreduce" for e in nested) == steps
+        assert sum(e["name"] == "wait sends" for e in nested) == steps
+        if grid != "1,1,1":
+            assert any(e["cat"] == "halo" for e in nested)
+        for e in nested:
+            assert any(o["ts"] - 1e-3 <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"]
+                       + 1e-3 for o in top), (r, e)
+        steps_at = [e for e in top if e["name"] == "STEP"]
+        for e in nested:
+            if e["name"] == "allreduce":
+                assert any(o["ts"] - 1e-3 <= e["ts"] <= o["ts"] + o["dur"] for o in steps_at)
 
 
 def test_pipelined_resume_equals_uninterrupted(comm, shared):

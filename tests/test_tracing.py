@@ -1,0 +1,48 @@
+"""sparsepipe_hpc.tracing without MPI: spans, the active recorder, the Chrome trace rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparsepipe_hpc.tracing import Recorder, Span, recording, span, to_chrome_trace
+
+
+def fake_clock():
+    t = iter(range(100))
+    return lambda: float(next(t))
+
+
+def test_spans_nest_and_record_only_while_active():
+    rec = Recorder(clock=fake_clock())          # zero = 0
+    with span("lost", "forward"):               # nothing active: not recorded
+        pass
+    with recording(rec):
+        with span("F0", "forward", micro_batch=0):   # 1 .. 4
+            with span("halo wait", "halo"):          # 2 .. 3
+                pass
+        with pytest.raises(RuntimeError):
+            with span("B0", "backward"):             # 5 .. 6, recorded although it raised
+                raise RuntimeError("boom")
+        with recording(None):
+            with span("lost", "forward"):
+                pass
+        with span("STEP", "step"):                   # 7 .. 8: the outer recorder is back
+            pass
+    assert [(s.name, s.start, s.end) for s in rec.spans] == [
+        ("halo wait", 2.0, 3.0), ("F0", 1.0, 4.0), ("B0", 5.0, 6.0), ("STEP", 7.0, 8.0)]
+    assert rec.spans[1].args == {"micro_batch": 0}
+
+
+def test_chrome_trace_has_a_row_per_rank_and_outer_spans_first():
+    rows = [[Span("halo wait", "halo", 2.0, 3.0), Span("F0", "forward", 2.0, 4.0)],
+            [Span("RA0<0", "recv", 0.0, 1.5)]]
+    trace = json.loads(json.dumps(to_chrome_trace(rows, ["stage 0", "stage 1"])))
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["name"] == "thread_name"}
+    assert names == {0: "stage 0", 1: "stage 1"}
+    xs = [(e["tid"], e["name"], e["ts"], e["dur"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert xs == [(0, "F0", 2e6, 2e6), (0, "halo wait", 2e6, 1e6), (1, "RA0<0", 0.0, 1.5e6)]
+    with pytest.raises(ValueError, match="labels has 1 entries but there are 2 rows"):
+        to_chrome_trace(rows, ["x"])
