@@ -50,6 +50,7 @@ from halo.cuts import Cuts, balanced_cuts, uniform_cuts
 from halo.grid import ProcessGrid
 from halo.kmap import coord_keys, decode_keys, key_batch
 from halo.ownership import owner_ranks
+from sparsepipe_hpc.parallel.failures import run_on_all
 from sparsepipe_hpc.parallel.rows import send_list, send_rows
 from sparsepipe_hpc.voxelize import VoxelizeError, merge_points
 
@@ -76,24 +77,14 @@ def agree(comm: Any, fn: Callable[[], Any], error: type = VoxelizeError,
     rank's message, that exception's class when it is one of ``kinds`` (or ``error``), so none
     is left waiting in a later collective.
     """
-    message: Optional[tuple[str, str]] = None
-    caught: Optional[BaseException] = None
-    value = None
-    try:
-        value = fn()
-    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
-        caught = e
-        text = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        message = (type(e).__name__, text)
-    messages = comm.allgather(message)
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if caught is not None:
-        raise caught
-    if failed:
-        rank, (kind, msg) = failed[0]
+    outcome = run_on_all(comm, fn)
+    if outcome.caught is not None:
+        raise outcome.caught
+    if outcome.failures:
+        rank, kind, msg = outcome.failures[0]
         cls = next((k for k in kinds if k.__name__ == kind), error)
-        raise cls(f"rank {rank} of {len(messages)}: {msg}")
-    return value
+        raise cls(f"rank {rank} of {outcome.size}: {msg}")
+    return outcome.value
 
 
 @dataclass

@@ -16,10 +16,11 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from sparsepipe_hpc.parallel.failures import run_on_all
 from sparsepipe_hpc.train.config import TrainConfig
 
 __all__ = ["SetupError", "agree", "check_same", "data_fingerprint", "check_grid_fits"]
@@ -38,23 +39,15 @@ def agree(comm: Any, fn: Callable[[], Any]) -> Any:
     re-raises it with its traceback (the trainer's excepthook then aborts the job), the others
     raise SetupError naming it.
     """
-    error: Optional[str] = None
-    value = None
-    caught: Optional[Exception] = None
-    try:
-        value = fn()
-    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
-        caught = e
-        error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-    errors = comm.allgather(error)
-    failed = [(r, m) for r, m in enumerate(errors) if m is not None]
-    if failed:
+    outcome = run_on_all(comm, fn)
+    if outcome.failures:
+        caught = outcome.caught
         if caught is not None and not isinstance(caught, (ValueError, OSError)):
             raise caught
-        rank, msg = failed[0]
-        where = f" (rank {rank} of {len(errors)})" if len(errors) > 1 and rank != 0 else ""
+        rank, _, msg = outcome.failures[0]
+        where = f" (rank {rank} of {outcome.size})" if outcome.size > 1 and rank != 0 else ""
         raise SetupError(f"{msg}{where}")
-    return value
+    return outcome.value
 
 
 def check_same(comm: Any, what: str, value: dict[str, Any]) -> None:

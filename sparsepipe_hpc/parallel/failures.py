@@ -1,0 +1,51 @@
+"""Run a step on every rank and learn who failed, so that all ranks can raise together.
+
+    outcome = run_on_all(comm, lambda: read_my_part())      # collective: one allgather
+    if outcome.failures:
+        rank, kind, message = outcome.failures[0]             # the first rank that failed
+        ...                                                   # raise on every rank, each caller
+                                                              # in its own words
+    value = outcome.value
+
+Why: a rank that raises alone leaves the others waiting in their next collective. The callers
+(:func:`sparsepipe_hpc.parallel.voxelize.agree`, :func:`sparsepipe_hpc.train.agreement.agree`)
+decide what each rank raises; this module only runs the step and gathers the verdicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+__all__ = ["Outcome", "run_on_all"]
+
+
+@dataclass
+class Outcome:
+    """``value``: what ``fn`` returned here (None if it raised); ``caught``: this rank's
+    exception; ``failures``: ``(rank, exception class name, message)`` of every rank that raised,
+    in rank order; ``size``: ranks in the communicator."""
+
+    value: Any
+    caught: Optional[Exception]
+    failures: list[tuple[int, str, str]]
+    size: int
+
+
+def run_on_all(comm: Any, fn: Callable[[], Any]) -> Outcome:
+    """Run ``fn`` on every rank of ``comm`` and allgather which ranks raised. **Collective.**
+
+    The message of a ValueError is its text; of any other exception ``"Class: text"``.
+    """
+    value = None
+    caught: Optional[Exception] = None
+    mine: Optional[tuple[str, str]] = None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        caught = e
+        mine = (type(e).__name__, str(e) if isinstance(e, ValueError)
+                else f"{type(e).__name__}: {e}")
+    gathered = comm.allgather(mine)
+    failures = [(r, m[0], m[1]) for r, m in enumerate(gathered) if m is not None]
+    return Outcome(value, caught, failures, len(gathered))
