@@ -49,6 +49,7 @@ def test_bubble_from_spans_counts_idle_rank_time_in_the_pipeline_window():
     assert got["window_s"] == pytest.approx(4.0)
     assert got["busy_s"] == pytest.approx([2.0, 1.7])   # kmap rebuilding is work, not idle
     assert got["bubble"] == pytest.approx(1 - 3.7 / 8.0)
+    assert got["bubble_model_only"] == pytest.approx(1 - 3.5 / 8.0)
     assert got["fwd_mean_s"] == pytest.approx([1.0, 0.5])
     assert got["recv_s"] == pytest.approx([1.8, 1.5])
     with pytest.raises(ValueError, match="no forward/backward spans"):
