@@ -57,11 +57,12 @@ class Recorder:
         return cls()
 
     @contextlib.contextmanager
-    def span(self, name: str, cat: str, **args: Any) -> Iterator[None]:
-        """Record the enclosed block as one span (also when it raises)."""
+    def span(self, name: str, cat: str, **args: Any) -> Iterator[dict[str, Any]]:
+        """Record the enclosed block as one span (also when it raises); yields the span's args,
+        to which the block may add what it learns (bytes sent, ...)."""
         t = self.clock()
         try:
-            yield
+            yield args
         finally:
             self.spans.append(Span(name, cat, t - self.zero, self.clock() - self.zero, args))
 
@@ -81,10 +82,14 @@ def recording(recorder: Optional[Recorder]) -> Iterator[Optional[Recorder]]:
         _active = previous
 
 
-def span(name: str, cat: str, **args: Any) -> contextlib.AbstractContextManager[Any]:
-    """A span in the active recorder, or nothing when none is active (see :func:`recording`)."""
+def span(name: str, cat: str, **args: Any) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """A span in the active recorder, or nothing when none is active (see :func:`recording`).
+
+    ``with span(...) as info:`` gives the span's args dict either way (then thrown away), so
+    the block may add to it without asking whether anything records.
+    """
     rec = _active
-    return rec.span(name, cat, **args) if rec is not None else contextlib.nullcontext()
+    return rec.span(name, cat, **args) if rec is not None else contextlib.nullcontext(args)
 
 
 def to_chrome_trace(rows: Sequence[Sequence[Span]], labels: Optional[Sequence[str]] = None,

@@ -29,10 +29,16 @@ runs the stage's blocks on the carry entries it pops (stage 0: the micro-batch i
 the autograd graph, SEND_ACT starts a non-blocking send and posts the gradient receives,
 RECV_GRAD waits for them, BACKWARD runs autograd from the received output gradients (last stage:
 from the loss share) and frees the micro-batch, SEND_GRAD sends the input gradients back.
+
+Stage traffic: every message this rank sends or receives in a run is a :class:`Transfer` in
+``executor.transfers`` (summed by ``executor.traffic()``), its payload bytes and carry slots also
+in the args of the action's trace span. A U-Net skip is sent once, from the stage that makes it
+straight to the stage that uses it, so its bytes count once, on that edge.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -43,7 +49,7 @@ from sparsepipe_hpc.pipeline.schedule import Action, Op, Schedule
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.tracing import span
 
-__all__ = ["StageExecutor", "sample_bounds", "split_batch"]
+__all__ = ["StageExecutor", "Transfer", "payload_bytes", "sample_bounds", "split_batch"]
 
 
 def sample_bounds(batch_size: int, micro_batches: int) -> list[tuple[int, int]]:
@@ -97,6 +103,31 @@ def _feats(e: Any) -> torch.Tensor:
     return e.feats if isinstance(e, SparseTensor) else e
 
 
+def payload_bytes(entries: Sequence[Any]) -> int:
+    """Bytes a stage message carries for ``entries`` (the fixed-size header not included):
+    coords and feats of a SparseTensor, a dense tensor's elements; None (no gradient): 0."""
+    total = 0
+    for e in entries:
+        for t in ((e.coords, e.feats) if isinstance(e, SparseTensor)
+                  else (e,) if isinstance(e, torch.Tensor) else ()):
+            total += t.numel() * t.element_size()
+    return total
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One stage message this rank sent or received: ``direction`` "send"/"recv", ``kind``
+    "act" (a carry) or "grad" (its gradients), the micro-batch, the other stage, the carry slots
+    it holds (:class:`~sparsepipe_hpc.pipeline.carry.Slot` ids) and its payload bytes."""
+
+    direction: str
+    kind: str
+    micro_batch: int
+    peer: int
+    slots: tuple[int, ...]
+    bytes: int
+
+
 class StageExecutor:
     """Runs ``schedule.actions[stage]`` over ``blocks`` (see the module docstring)."""
 
@@ -117,6 +148,25 @@ class StageExecutor:
                                 f"{len(self.blocks)}")
         self.schedule, self.stage, self.link, self.peer_rank = schedule, stage, link, peer_rank
         self.last = stage == schedule.stages - 1
+        self.transfers: list[Transfer] = []  # the last run's stage messages, in program order
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """The last run's stage traffic: ``{"send act -> 2": {"messages": 4, "bytes": ...},
+        ...}`` keyed by direction, kind and the other stage. A skip counts once, on the edge
+        from the stage that makes it to the stage that uses it (it is never relayed)."""
+        out: dict[str, dict[str, int]] = {}
+        for t in self.transfers:
+            key = f"{t.direction} {t.kind} {'->' if t.direction == 'send' else '<-'} {t.peer}"
+            row = out.setdefault(key, {"messages": 0, "bytes": 0})
+            row["messages"] += 1
+            row["bytes"] += t.bytes
+        return out
+
+    def _count(self, info: dict[str, Any], direction: str, kind: str, i: int, peer: int,
+               slots: Sequence[Any], entries: Sequence[Any]) -> None:
+        t = Transfer(direction, kind, i, peer, tuple(s.id for s in slots), payload_bytes(entries))
+        self.transfers.append(t)
+        info.update(bytes=t.bytes, slots=list(t.slots))  # shows in the trace's args
 
     def run(self, inputs: Sequence[Optional[SparseTensor]], contexts: Sequence[Any],
             loss_fn: Optional[Callable[[int, Any], torch.Tensor]] = None,
@@ -153,9 +203,10 @@ class StageExecutor:
         if not backward:
             actions = tuple(a for a in actions
                             if a.op in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT))
+        self.transfers = []
         for act in actions:
             with span(str(act), _CATEGORY[act.op], micro_batch=act.micro_batch,
-                      peer=act.peer):
+                      peer=act.peer) as info:
                 if act.op is Op.STEP:
                     with span("wait sends", "idle"):
                         for r in sends:
@@ -172,6 +223,7 @@ class StageExecutor:
                         raise PipelineError(f"stage {self.stage} expected {len(slots)} carry "
                                             f"entries from stage {peer}, got {len(got)}")
                     received[i].update(zip((s.id for s in slots), got))
+                    self._count(info, "recv", "act", i, peer, slots, got)
                 elif act.op is Op.FORWARD:
                     carry = [inputs[i] if s.producer == INPUT else received[i][s.id]
                              for s in plan.inputs]
@@ -186,21 +238,27 @@ class StageExecutor:
                         if self.last:
                             losses[i] = loss_fn(i, carry[-1])  # type: ignore[misc]
                 elif act.op is Op.SEND_ACT:
-                    ents = [outputs[i][s.id] for s in plan.send_slots(peer)]
+                    out_slots = plan.send_slots(peer)
+                    ents = [outputs[i][s.id] for s in out_slots]
                     rank = self.peer_rank(peer)
                     sends += link.send_carry(rank, i, ents)
+                    self._count(info, "send", "act", i, peer, out_slots, ents)
                     if backward:
                         grad_recvs[(i, peer)] = link.post_grads(rank, i, ents)
                 elif act.op is Op.RECV_GRAD:
                     got_g = link.finish_grads(grad_recvs.pop((i, peer)))
-                    out_grads[i].update(zip((s.id for s in plan.send_slots(peer)), got_g))
+                    out_slots = plan.send_slots(peer)
+                    out_grads[i].update(zip((s.id for s in out_slots), got_g))
+                    self._count(info, "recv", "grad", i, peer, out_slots, got_g)
                 elif act.op is Op.BACKWARD:
                     in_grads[i] = self._backward(i, outputs.pop(i), out_grads.pop(i),
                                                  received.pop(i), losses.get(i))
                     kmaps.pop(i)
                 elif act.op is Op.SEND_GRAD:
-                    grads = [in_grads[i].pop(s.id) for s in plan.recv_slots(peer)]
+                    in_slots = plan.recv_slots(peer)
+                    grads = [in_grads[i].pop(s.id) for s in in_slots]
                     sends += link.send_grads(self.peer_rank(peer), i, grads)
+                    self._count(info, "send", "grad", i, peer, in_slots, grads)
         if not backward:
             for r in sends:
                 r.wait()

@@ -42,6 +42,7 @@ import torch
 from halo.transport.base import Request, Transport
 from sparsepipe_hpc.nn.conv import ConvEntry, SparseConv3d
 from sparsepipe_hpc.sparse import SparseTensor
+from sparsepipe_hpc.tracing import span
 
 __all__ = ["StageLink", "PendingCarry", "PendingGrads", "HEADER_BYTES", "tag", "rebuild_entry",
            "TransferError"]
@@ -211,7 +212,8 @@ class StageLink:
             if not isinstance(x_in, SparseTensor):
                 raise TransferError(f"kernel map {k['key']!r} names carry entry {k['entry']}, "
                                     f"which is not sparse")
-            rebuild_entry(x_in, k["key"], k["k"], k["s"], k["p"], k["d"])
+            with span(f"rebuild {k['key']}", "kmap"):  # compute, not waiting: the trace tells
+                rebuild_entry(x_in, k["key"], k["k"], k["s"], k["p"], k["d"])
         return out
 
     # --- gradients -------------------------------------------------------------------------------

@@ -80,6 +80,7 @@ class TrainConfig:
     out: Optional[str] = None
     resume: Optional[str] = None
     trace: Optional[str] = None
+    plot: Optional[str] = None
     checkpoint_every: int = 100
     eval_every: int = 0
     grid: tuple[int, int, int] = (1, 1, 1)
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (JSON) of the "
                    "training steps: one row per rank with its forward, backward, stage send/"
                    "receive, halo-wait, all-reduce and step spans (open in ui.perfetto.dev)")
+    g.add_argument("--plot", metavar="FILE.png", help="draw the same timeline (one row per "
+                   "rank, idle time in grey) with matplotlib, the plot extra (pip install "
+                   "'sparsepipe_hpc[plot]'); with or without --trace")
     g.add_argument("--resume", metavar="CKPT|auto", help="continue from a checkpoint; auto: "
                    "<out>/last.pt when it exists, else start afresh")
     g.add_argument("--checkpoint-every", type=_nonneg_int, metavar="N",
@@ -334,6 +338,16 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
     if cfg.trace is not None and Path(cfg.trace).is_dir():  # found now, not after training
         raise ConfigError(f"--trace {cfg.trace} is a directory but names the trace file to "
                           f"write; pass a file such as {Path(cfg.trace) / 'trace.json'}")
+    if cfg.plot is not None:
+        if Path(cfg.plot).is_dir():
+            raise ConfigError(f"--plot {cfg.plot} is a directory but names the picture to "
+                              f"write; pass a file such as {Path(cfg.plot) / 'timeline.png'}")
+        from sparsepipe_hpc.plot import PlotError, require_matplotlib
+
+        try:  # missing before training, not after it
+            require_matplotlib()
+        except PlotError as e:
+            raise ConfigError(str(e)) from None
     return cfg
 
 

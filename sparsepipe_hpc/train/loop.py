@@ -33,7 +33,8 @@ broadcast to all ranks and each stage's optimizer state gathered, so rank 0 writ
 
 Trace (``--trace FILE``): every rank records the wall-clock spans of its training steps
 (sparsepipe_hpc.tracing: pipeline actions, forward/backward, halo waits, gradient all-reduce,
-optimizer), rank 0 gathers them at the end and writes one Chrome/Perfetto JSON, a row per rank.
+optimizer), rank 0 gathers them at the end and writes one Chrome/Perfetto JSON, a row per rank;
+``--plot FILE.png`` draws the same timeline with matplotlib (sparsepipe_hpc.plot).
 
 Resume: model, optimizer moments, data position and RNG states come from the checkpoint; the
 learning-rate schedule does not. It is a pure function of (step, total steps) with the current
@@ -58,7 +59,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -562,7 +563,7 @@ class Trainer:
         last_train: Optional[dict[str, Any]] = None
         last_eval: Optional[dict[str, Any]] = None
         stopped = False
-        recorder = Recorder.start(self.comm) if cfg.trace else None  # collective
+        recorder = Recorder.start(self.comm) if cfg.trace or cfg.plot else None  # collective
         t0 = time.perf_counter()
         while self.step < self.total_steps and not stopped:
             for indices in self.batches:
@@ -619,19 +620,38 @@ class Trainer:
                 "summary": summary}
 
     def _write_trace(self, recorder: Recorder) -> None:
-        """Gather every rank's spans and write ``--trace`` on rank 0. **Collective.**"""
-        path = Path(cast(str, self.cfg.trace))
+        """Gather every rank's spans; on rank 0 write ``--trace`` and draw ``--plot``.
+        **Collective.**"""
+        cfg = self.cfg
         pos = self.ctx.position
         label = (f"rank {self.comm.rank}: stage {pos.stage}, replica {pos.replica}, "
                  f"spatial {pos.spatial}")
         trace = gather_chrome_trace(recorder, self.comm, label)
 
         def write() -> None:
-            if trace is not None:
-                atomic_write(path, lambda f: f.write(json.dumps(trace).encode()), "--trace")
+            if trace is None:
+                return
+            if cfg.trace:
+                atomic_write(Path(cfg.trace), lambda f: f.write(json.dumps(trace).encode()),
+                             "--trace")
+            if cfg.plot:
+                from sparsepipe_hpc.plot import plot_trace
+
+                plot_trace(trace, cfg.plot, title=self._plot_title())
 
         agree(self.comm, write)
-        self._say(f"trace: {path} (open in ui.perfetto.dev)")
+        if cfg.trace:
+            self._say(f"trace: {cfg.trace} (open in ui.perfetto.dev)")
+        if cfg.plot:
+            self._say(f"timeline: {cfg.plot}")
+
+    def _plot_title(self) -> str:
+        cfg, lay = self.cfg, self.layout
+        text = (f"{cfg.model}, {lay.replicas} replica(s) x {lay.stages} stage(s) x grid "
+                f"{'x'.join(map(str, lay.grid))}")
+        if self.pipe is not None:
+            text += f", {cfg.pipeline_schedule} with {cfg.micro_batches} micro-batch(es)"
+        return text + f", {self.step} steps"
 
     # --- messages --------------------------------------------------------------------------------
     def _say(self, text: str, bar: Any = None) -> None:

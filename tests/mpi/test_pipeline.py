@@ -347,3 +347,83 @@ def test_stage_link_round_trip(comm):
             assert torch.equal(getattr(rebuilt.kmap, f), getattr(want.kmap, f)), f
         for r in link.send_grads(0, 7, [2 * x.feats.detach(), None, None]):
             r.wait()
+
+
+def slot_bytes(model, x):
+    """(activation, gradient) payload bytes of every carry slot of the serial model on ``x``
+    (slot ids as plan_carry numbers them: the input is 0, then every push in block order); a
+    gradient message carries the features' gradient only."""
+    def nbytes(e):
+        return (e.coords.numel() * 4 + e.feats.numel() * 8, e.feats.numel() * 8)
+
+    carry, ids, out = [x], [0], {0: nbytes(x)}
+    with torch.no_grad():
+        for blk in model.blocks:
+            pops, pushes = blk.carry_arity
+            carry = blk(carry)
+            del ids[len(ids) - pops:]
+            for e in carry[len(carry) - pushes:]:
+                ids.append(len(out))
+                out[ids[-1]] = nbytes(e)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_skip_is_sent_once_and_its_bytes_counted_once(comm, kind):
+    """A U-Net skip crossing two or more stage boundaries (the stem's output, used by the last
+    decoder level) goes once per micro-batch from the stage that makes it to the stage that uses
+    it; every stage message's payload bytes (Transfer, traffic(), the trace span's args) are
+    those of the slots it carries, each cross-stage slot counted in exactly one send."""
+    from sparsepipe_hpc.tracing import Recorder, recording
+
+    fits = [(s, g) for s, g in layouts(comm) if s >= 3 and g == (1, 1, 1)]
+    if not fits:
+        pytest.skip(f"no layout with 3+ stages and no spatial split for {comm.size} ranks")
+    batch = make_batch(15)
+    m = 2
+    for stages, grid in fits:
+        layout = RankLayout.from_world(comm.size, grid=grid, stages=stages)
+        ctx = ParallelContext(comm, layout)
+        model = build("unet")
+        pipe = Pipeline(model, ctx, balance=",".join(map(str, BALANCE["unet"][stages])),
+                        schedule=kind, micro_batches=m)
+        skip = [sl for p in pipe.plan.stages for sl in p.outputs
+                if sl.consumer is not None and sl.consumer >= sl.producer + 2]
+        assert len(skip) == 1, pipe.plan  # the stem's output, crossing two or more boundaries
+        (skip,) = skip
+        x, vlab, _ = batch
+        parts = split_batch(x, m, vlab)
+        local = [ctx.distribute(xi, align=model.total_stride)[0] for xi, _ in parts]
+        want = [slot_bytes(build("unet"), xi) for xi, _ in parts]
+        rec = Recorder.start(comm)
+        with recording(rec):
+            pipe.run(local, [t.context for t in local],
+                     lambda i, out: F.cross_entropy(out.feats, parts[i][1], reduction="sum"))
+        me = pipe.stage
+        for t in pipe.executor.transfers:
+            k = 0 if t.kind == "act" else 1
+            assert t.bytes == sum(want[t.micro_batch][sid][k] for sid in t.slots), t
+            for sid in t.slots:  # never relayed: the sender made it, the receiver uses it
+                sl = next(sl for p in pipe.plan.stages for sl in p.outputs if sl.id == sid)
+                src, dst = (me, t.peer) if (t.direction == "send") == (t.kind == "act") \
+                    else (t.peer, me)
+                assert (sl.producer, sl.consumer) == (src, dst), (t, sl)
+        traced = sorted((s.cat, s.args["micro_batch"], s.args["peer"], tuple(s.args["slots"]),
+                         s.args["bytes"]) for s in rec.spans if "bytes" in s.args)
+        assert traced == sorted((t.direction, t.micro_batch, t.peer, t.slots, t.bytes)
+                                for t in pipe.executor.transfers)
+        every = comm.allgather((me, pipe.executor.transfers, pipe.executor.traffic()))
+        sent = [(s, t) for s, ts, _ in every for t in ts if t.direction == "send" and t.kind == "act"]
+        for i in range(m):
+            for sl in (sl for p in pipe.plan.stages for sl in p.outputs if sl.consumer is not None):
+                carriers = [(s, t.peer) for s, t in sent if t.micro_batch == i and sl.id in t.slots]
+                assert carriers == [(sl.producer, sl.consumer)], (i, sl, carriers)
+        got = [t for s, ts, _ in every for t in ts if t.direction == "recv" and t.kind == "act"]
+        assert sum(t.bytes for _, t in sent) == sum(t.bytes for t in got)
+        # traffic(): the skip's edge carries its bytes and nothing else (U-Net: only the skip)
+        skip_bytes = sum(want[i][skip.id][0] for i in range(m))
+        maker = next(tr for s, _, tr in every if s == skip.producer)
+        assert maker[f"send act -> {skip.consumer}"] == {"messages": m, "bytes": skip_bytes}
+        user = next(tr for s, _, tr in every if s == skip.consumer)
+        assert user[f"recv act <- {skip.producer}"] == {"messages": m, "bytes": skip_bytes}
+        assert comm.allreduce(1) == comm.size

@@ -11,6 +11,7 @@ that at the executor level). SGD, as in test_train_parallel.py.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -120,10 +121,15 @@ def test_trace_has_one_row_per_rank_with_the_schedule_actions(comm, shared, tmp_
     stages, grid, balance = LAYOUTS[comm.size][0]
     path = Path(comm.bcast(str(tmp_path / "trace.json") if comm.rank == 0 else None))
     steps = 2
+    # --plot too where matplotlib (the plot extra) is installed
+    png = path.with_suffix(".png") if importlib.util.find_spec("matplotlib") else None
     t = Trainer(config(shared, shared / f"trace-{comm.size}", "--stages", str(stages), "--grid",
-                       grid, "--balance", balance, "--steps", str(steps), "--trace", str(path)),
+                       grid, "--balance", balance, "--steps", str(steps), "--trace", str(path),
+                       *(("--plot", str(png)) if png else ())),
                 comm, log=None)
     t.run()
+    if png is not None and comm.rank == 0:
+        assert png.read_bytes()[:4] == b"\x89PNG"
     assert t.pipe is not None
     programs = comm.allgather([str(a) for a in t.pipe.schedule.actions[t.pipe.stage]])
     positions = comm.allgather(t.ctx.position)
