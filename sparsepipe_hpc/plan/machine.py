@@ -8,7 +8,7 @@
 
 Written by ``mpirun -n 2 python -m sparsepipe_hpc.plan --measure-machine > machine.toml``
 (:func:`measure_links`: an MPI ping-pong, ``alpha + beta * bytes`` fitted by least squares over
-message sizes 8 B - 4 MiB; ranks on two nodes measure the across-node link too)::
+message sizes 8 B - 2 MiB; ranks on two nodes measure the across-node link too)::
 
     ranks_per_node = 4
     device_speed = [1.0, 1.0, 0.5, 0.5]   # relative to the profiled device; one number: all ranks
@@ -153,9 +153,10 @@ class Machine:
     def to_dict(self) -> dict[str, Any]:
         speeds = [d.speed for d in self.devices]
         mems = [d.memory for d in self.devices]
+        mems_out: list[Any] = ["inf" if m == math.inf else m for m in mems]   # strict JSON
         return {"ranks_per_node": self.ranks_per_node,
                 "device_speed": speeds[0] if len(set(speeds)) == 1 else speeds,
-                "device_memory": mems[0] if len(set(mems)) == 1 else mems,
+                "device_memory": mems_out[0] if len(set(mems)) == 1 else mems_out,
                 "ranks": self.ranks, "measured": self.measured,
                 "links": {"intra": {"alpha": self.intra.alpha, "beta": self.intra.beta},
                           "inter": {"alpha": self.inter.alpha, "beta": self.inter.beta}}}
@@ -164,6 +165,8 @@ class Machine:
         d = self.to_dict()
 
         def val(v: Any) -> str:
+            if v == "inf":
+                return "inf"
             if isinstance(v, list):
                 return "[" + ", ".join(val(x) for x in v) + "]"
             if isinstance(v, bool):
@@ -243,8 +246,11 @@ def _pingpong(comm: Any, a: int, b: int, sizes: Sequence[int], repeats: int) -> 
     return out
 
 
-def measure_links(comm: Any, repeats: int = 20,
-                  sizes: Sequence[int] = tuple(8 * 4 ** k for k in range(10))
+#: Ping-pong message sizes in bytes: 8 B to 2 MiB, by factors of 4.
+SIZES = (8, 32, 128, 512, 2048, 8192, 32768, 131072, 524288, 2097152)
+
+
+def measure_links(comm: Any, repeats: int = 20, sizes: Sequence[int] = SIZES
                   ) -> Optional[Machine]:
     """Ping-pong on ``comm`` (at least 2 ranks): a Machine on rank 0, None elsewhere.
 

@@ -239,8 +239,8 @@ def _run_once(blocks: Sequence[Any], x: SparseTensor, params: set[int],
         ins.append(leaves)
         outs.append(carry)
     bwd = [0.0] * len(blocks)
-    grads: list[Optional[torch.Tensor]] = [torch.ones_like(_tensor(e)) if _tensor(e) is not None
-                                           else None for e in carry]
+    last = [_tensor(e) for e in carry]
+    grads: list[Optional[torch.Tensor]] = [None if t is None else torch.ones_like(t) for t in last]
     for k in range(len(blocks) - 1, -1, -1):
         tensors, gs = [], []
         for e, g in zip(outs[k], grads):
