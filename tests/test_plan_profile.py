@@ -52,8 +52,11 @@ def test_bytes_by_hand():
 
 def test_profile_fits_halo_and_json_round_trip():
     net = _net("unet", width=8, depth=2)
+    before = [p.detach().clone() for p in net.parameters()]
     batches = [synthetic_batch(v, 3, multiple=net.total_stride) for v in (500, 1000)]
     prof = profile_model(net, batches, repeats=2, warmup=0, name="unet")
+    for p, w in zip(net.parameters(), before):   # profiling leaves the weights as they were
+        assert torch.equal(p, w) and p.grad is None
     assert len(prof.blocks) == len(net.blocks) and prof.sizes == tuple(b.num_voxels for b in batches)
     assert prof.total_stride == 4 and prof.extent == batches[0].spatial_shape
     # Stem: SubM3 (3 -> 8) + a residual unit of two SubM3 (8 -> 8) at the input's stride:
@@ -65,6 +68,7 @@ def test_profile_fits_halo_and_json_round_trip():
         for m in b.measured:
             assert b.forward(m["voxels"]) == pytest.approx(max(0.0, m["forward"]), abs=1e-12)
             assert b.out_bytes(m["voxels"]) == pytest.approx(m["out_bytes"])
+    assert prof.blocks[0].update > 0   # an AdamW step over the block's parameters
     assert ModelProfile.from_json(prof.to_json()) == prof
     with pytest.raises(ProfileError, match="not a model profile"):
         ModelProfile.from_json('{"name": "x"}')
@@ -85,5 +89,18 @@ def test_bad_inputs():
         profile_model(net, [])
     with pytest.raises(ProfileError, match="repeats"):
         profile_model(net, [synthetic_batch(100, 3)], repeats=0)
-    with pytest.raises(ProfileError, match="voxels >= 12"):
+    with pytest.raises(ValueError, match="voxels >= 12"):
         synthetic_batch(3, 3)
+
+
+def test_kernel_maps_creators_and_users():
+    net = _net("unet", width=8, depth=2)
+    x = synthetic_batch(600, 3, multiple=net.total_stride)
+    prof = profile_model(net, [x], repeats=1, warmup=0)
+    maps = {k.key: k for k in prof.kmaps}
+    # blocks: 0 stem, 1 down1, 2 down2, 3 up2, 4 up1, 5 head
+    assert maps["down1"].creator == 1 and maps["down1"].users == (4,)
+    assert maps["down2"].creator == 2 and maps["down2"].users == (3,)
+    assert maps["subm:k3:d1:s1"].creator == 0 and maps["subm:k3:d1:s1"].users == (4,)
+    assert all(k.build(x.num_voxels) >= 0 for k in prof.kmaps)
+    assert ModelProfile.from_json(prof.to_json()) == prof

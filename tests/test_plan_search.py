@@ -114,3 +114,40 @@ def test_fixed_values_and_bad_inputs():
     with pytest.raises(SearchError, match="balance"):
         evaluate(prof, m, 1, 2, (1, 1, 1), 1, 4, balance=(1, 2))
     assert math.isfinite(search(prof, m, batch_size=3).plans[0].step_time)  # 3 samples: R in {1}
+
+
+def test_optimizer_update_counts_once_per_step():
+    import dataclasses
+    prof = profile()
+    slow = dataclasses.replace(prof, blocks=tuple(dataclasses.replace(b, update=0.5)
+                                                  for b in prof.blocks))
+    m = Machine.uniform(1, 1, intra=LINK, inter=LINK)
+    for mb in (1, 4):
+        a = evaluate(prof, m, 1, 1, (1, 1, 1), mb, 4)
+        b = evaluate(slow, m, 1, 1, (1, 1, 1), mb, 4)
+        assert b.step_time - a.step_time == pytest.approx(4 * 0.5)
+        assert b.update == (2.0,)
+
+
+def test_stages_pay_for_kernel_maps_made_before_them():
+    import dataclasses
+
+    import numpy as np
+
+    from sparsepipe_hpc.plan.profile import KmapProfile
+    km = (KmapProfile("enc", creator=0, users=(3,), build=Fit(5.0, 0.0)),
+          KmapProfile("mid", creator=1, users=(2, 3), build=Fit(1.0, 0.0)))
+    prof = dataclasses.replace(profile(), kmaps=km)
+    r = prof.rebuild_costs(1000.0)
+    # A stage starting at block 2 uses "mid" (made by block 1) from block 2 on and "enc" at 3.
+    assert r[2, 3] == 1.0 and r[2, 4] == 6.0 and r[3, 4] == 6.0 and r[1, 4] == 5.0
+    assert np.all(r[0] == 0) and r[1, 3] == 0.0
+    m = Machine.uniform(2, 2, intra=LINK, inter=LINK)
+    plain = evaluate(profile(), m, 1, 2, (1, 1, 1), 1, 1)
+    paid = evaluate(prof, m, 1, 2, (1, 1, 1), 1, 1)
+    assert plain.balance == (2, 2) and paid.balance == (3, 1)
+    assert paid.stage_times[1] == pytest.approx(2.0 + 6.0 + 2 * LINK.alpha)
+    fixed = evaluate(prof, m, 1, 2, (1, 1, 1), 1, 1, balance=(2, 2))
+    assert fixed.stage_times[1] == pytest.approx(4.0 + 6.0 + 2 * LINK.alpha)
+    one_stage = evaluate(prof, m, 2, 1, (1, 1, 1), 1, 2)   # no pipeline: nothing is rebuilt
+    assert one_stage.stage_times == pytest.approx((8.0,))

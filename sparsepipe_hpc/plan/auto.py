@@ -2,8 +2,8 @@
 
     cfg = auto_plan(cfg, comm)     # collective: rank 0 profiles and searches, every rank applies
 
-Rank 0 voxelizes up to three training samples of different sizes (one sample per batch, so the
-fit sees 3 voxel counts), profiles the model on them (:func:`~sparsepipe_hpc.plan.profile.
+Rank 0 voxelizes batches of the first 1, 2 and 4 training samples (capped by the batch size: the
+sizes micro-batches have, so the voxel fit interpolates), profiles the model on them (:func:`~sparsepipe_hpc.plan.profile.
 profile_model`, 3 repeats), and searches the layouts of the job's ranks on a uniform machine of
 that many ranks (one node: every rank gets the same speed, links are the defaults), keeping every
 layout option the user set (``cfg.plan_fixed``). The chosen plan is broadcast; every rank applies
@@ -37,9 +37,9 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3)
                         depth=cfg.depth, engine=cfg.engine)
     torch.random.set_rng_state(state)
     origin, shape = grid_for(data, cfg.voxel_size, multiple=model.total_stride)
-    picks = [data[i] for i in range(min(len(data), 3))]
-    batches = [collate([s], cfg.voxel_size, origin, shape, clip=True).x for s in picks]
-    batches.sort(key=lambda b: b.num_voxels)
+    sizes = sorted({min(k, len(data), cfg.batch_size) for k in (1, 2, 4)})
+    batches = [collate([data[i] for i in range(k)], cfg.voxel_size, origin, shape, clip=True).x
+               for k in sizes]
     prof = profile_model(model, batches, repeats=repeats, name=cfg.model)
     fixed: dict[str, Any] = {}
     for key in cfg.plan_fixed:

@@ -30,6 +30,11 @@ carry out; :mod:`sparsepipe_hpc.nn.models`), on the device the batch lives on:
   the model input's voxels and extent: a rank with ``g`` boxes sees ``V / E[a]`` input voxels per
   voxel layer across axis ``a``, so the cost model gets halo bytes from it for any grid
   (:func:`sparsepipe_hpc.plan.cost.halo_bytes`). ``exchanges``: how many such convolutions.
+* ``update``: seconds of one AdamW step over the block's parameters (once per training step,
+  whatever the voxels; the parameters and gradients are restored afterwards).
+* kernel maps (:class:`KmapProfile`): which block makes each map and which blocks reuse it, and
+  the seconds to build it; a pipeline stage rebuilds the maps made before it
+  (:meth:`ModelProfile.rebuild_costs`, added to its stages by the search).
 * ``peak_bytes`` of the whole run (CUDA only; ``None`` on CPU, where torch keeps no peak).
 
 Time and bytes are fitted per block as ``a + b * voxels`` by least squares over the batches
@@ -41,18 +46,17 @@ the fit is proportional (``a = 0``). Predictions are clamped at 0.
 from __future__ import annotations
 
 import json
-import math
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
+from sparsepipe_hpc.plan.probes import clock, halo_probe, kmap_probe, synthetic_batch
 from sparsepipe_hpc.sparse import SparseTensor
 
-__all__ = ["Fit", "BlockProfile", "ModelProfile", "ProfileError", "profile_model",
+__all__ = ["Fit", "BlockProfile", "KmapProfile", "ModelProfile", "ProfileError", "profile_model",
            "synthetic_batch", "fit_linear"]
 
 
@@ -97,10 +101,23 @@ class BlockProfile:
     halo: tuple[float, float, float] = (0.0, 0.0, 0.0)
     exchanges: int = 0
     measured: tuple[dict[str, float], ...] = ()
+    update: float = 0.0
 
     def time(self, voxels: float) -> float:
         """Seconds forward + backward on ``voxels`` input voxels (reference device)."""
         return self.forward(voxels) + self.backward(voxels)
+
+
+@dataclass(frozen=True)
+class KmapProfile:
+    """A kernel map: made by block ``creator``, used by blocks ``users``; ``build``: seconds to
+    build it, fitted in the model's input voxels. A pipeline stage that uses it but starts after
+    ``creator`` rebuilds it from the coordinates it receives, once per micro-batch."""
+
+    key: str
+    creator: int
+    users: tuple[int, ...]
+    build: Fit
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,20 @@ class ModelProfile:
     sizes: tuple[int, ...] = ()
     peak_bytes: tuple[Optional[int], ...] = ()
     notes: dict[str, Any] = field(default_factory=dict)
+    kmaps: tuple[KmapProfile, ...] = ()
+
+    def rebuild_costs(self, voxels: float) -> np.ndarray:
+        """``[B + 1, B + 1]`` seconds: entry ``[i, j]`` is what a stage over blocks ``[i, j)``
+        spends rebuilding kernel maps made before block ``i`` (each once), on ``voxels``."""
+        n = len(self.blocks)
+        out = np.zeros((n + 1, n + 1))
+        for km in self.kmaps:
+            cost = km.build(voxels)
+            for i in range(km.creator + 1, n):
+                first = min((u for u in km.users if u >= i), default=None)
+                if first is not None:
+                    out[i, first + 1:] += cost
+        return out
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -133,45 +164,22 @@ class ModelProfile:
                 name=b["name"], forward=Fit(**b["forward"]), backward=Fit(**b["backward"]),
                 act_bytes=Fit(**b["act_bytes"]), out_bytes=Fit(**b["out_bytes"]),
                 param_bytes=float(b["param_bytes"]), halo=tuple(b["halo"]),  # type: ignore
-                exchanges=int(b["exchanges"]), measured=tuple(b["measured"]))
+                exchanges=int(b["exchanges"]), measured=tuple(b["measured"]),
+                update=float(b.get("update", 0.0)))
                 for b in d["blocks"])
             return cls(name=d["name"], device=d["device"], blocks=blocks,
                        voxels_per_sample=float(d["voxels_per_sample"]),
                        extent=tuple(d["extent"]),  # type: ignore[arg-type]
                        total_stride=int(d["total_stride"]), in_channels=int(d["in_channels"]),
                        sizes=tuple(d["sizes"]), peak_bytes=tuple(d["peak_bytes"]),
-                       notes=dict(d.get("notes", {})))
+                       notes=dict(d.get("notes", {})),
+                       kmaps=tuple(KmapProfile(k["key"], int(k["creator"]),
+                                               tuple(k["users"]), Fit(**k["build"]))
+                                   for k in d.get("kmaps", [])))
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"not a model profile ({type(e).__name__}: {e}); write one with "
                                f"ModelProfile.to_json or python -m sparsepipe_hpc.plan "
                                f"--profile-out FILE") from None
-
-
-def synthetic_batch(voxels: int, in_channels: int, batch_size: int = 1, multiple: int = 8,
-                    seed: int = 0) -> SparseTensor:
-    """A room-like batch: per sample a floor ``L x L`` and four walls ``L/2`` high (about
-    ``voxels`` voxels, ``3 L^2``), random features. Grid: ``L`` rounded up to ``multiple``."""
-    if voxels < 12 or batch_size < 1:
-        raise ProfileError(f"synthetic_batch needs voxels >= 12 and batch_size >= 1; got "
-                           f"{voxels} and {batch_size}")
-    side = max(2, int(round(math.sqrt(voxels / 3))))
-    height = max(1, side // 2)
-    n = -(-side // multiple) * multiple
-    r = torch.arange(side)
-    gx, gy = torch.meshgrid(r, r, indexing="ij")
-    floor = torch.stack([gx.flatten(), gy.flatten(), torch.zeros(side * side, dtype=torch.long)], 1)
-    walls = []
-    for z in range(1, height + 1):
-        zs = torch.full((side,), z)
-        zero, last = torch.zeros(side, dtype=torch.long), torch.full((side,), side - 1)
-        walls += [torch.stack(c, 1) for c in ((r, zero, zs), (r, last, zs), (zero, r, zs),
-                                               (last, r, zs))]
-    xyz = torch.unique(torch.cat([floor, *walls]), dim=0)
-    gen = torch.Generator().manual_seed(seed)
-    coords = torch.cat([torch.cat([torch.full((len(xyz), 1), b), xyz], 1)
-                        for b in range(batch_size)]).int()
-    feats = torch.randn(len(coords), in_channels, generator=gen)
-    return SparseTensor(coords, feats, (n, n, n), batch_size)
 
 
 def _tensor(e: Any) -> Optional[torch.Tensor]:
@@ -203,18 +211,10 @@ def _sum_grads(t: Optional[torch.Tensor], through: Optional[torch.Tensor]
     return t.grad if through is None else t.grad + through
 
 
-def _sync(device: torch.device) -> Callable[[], float]:
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-    return now
-
-
 def _run_once(blocks: Sequence[Any], x: SparseTensor, params: set[int],
               hooks: Optional[list[Any]] = None) -> dict[str, list[float]]:
     """One forward + backward, cut after every block; per-block seconds and bytes."""
-    now = _sync(x.feats.device)
+    now = clock(x.feats.device)
     carry: list[Any] = [x.replace(kmaps={})]
     ins, outs = [], []
     fwd, act, out_b = [], [], []
@@ -257,34 +257,26 @@ def _run_once(blocks: Sequence[Any], x: SparseTensor, params: set[int],
     return {"forward": fwd, "backward": bwd, "act_bytes": act, "out_bytes": out_b}
 
 
-def _halo_hooks(blocks: Sequence[Any], x: SparseTensor) -> tuple[list[list[float]], list[int]]:
-    """Per block: the halo coefficients of the module docstring, and the exchange count."""
-    from sparsepipe_hpc.nn.conv import SubMConv3d
-
-    coef = [[0.0, 0.0, 0.0] for _ in blocks]
-    count = [0] * len(blocks)
-    base = [x.num_voxels / max(1, e) for e in x.spatial_shape]
-    handles = []
-    for k, blk in enumerate(blocks):
-        for mod in blk.modules():
-            if isinstance(mod, SubMConv3d) and mod.spec.padding > 0:
-                def hook(m: Any, args: tuple[Any, ...], k: int = k) -> None:
-                    t = args[0]
-                    count[k] += 1
-                    for a in range(3):
-                        per_layer = t.num_voxels / max(1, t.spatial_shape[a])
-                        coef[k][a] += (m.spec.padding * t.num_channels * t.feats.element_size()
-                                       * per_layer / max(base[a], 1e-30))
-                handles.append(mod.register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            carry: list[Any] = [x.replace(kmaps={})]
-            for blk in blocks:
-                carry = blk(carry)
-    finally:
-        for h in handles:
-            h.remove()
-    return coef, count
+def _update_time(block: Any, repeats: int, now: Callable[[], float]) -> float:
+    """Median seconds of an AdamW step over ``block``'s parameters (restored afterwards)."""
+    params = [p for p in block.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    saved = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = now()
+        opt.step()
+        times.append(now() - t0)
+    with torch.no_grad():
+        for p, w, g in zip(params, saved, grads):
+            p.copy_(w)
+            p.grad = g
+    return statistics.median(times[1:])
 
 
 def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
@@ -306,6 +298,7 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
     halo = [[0.0, 0.0, 0.0] for _ in blocks]
     exchanges = [0] * len(blocks)
     peaks: list[Optional[int]] = []
+    kraw: list[dict[str, tuple[int, set[int], float]]] = []
     try:
         for bi, x in enumerate(batches):
             dev = x.feats.device
@@ -318,7 +311,8 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
                 if r >= warmup:
                     runs.append(res)
             peaks.append(int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None)
-            coef, count = _halo_hooks(blocks, x)
+            coef, count = halo_probe(blocks, x)
+            kraw.append(kmap_probe(blocks, x, repeats))
             for k in range(len(blocks)):
                 raw[k].append({"voxels": float(x.num_voxels),
                                **{key: statistics.median(run[key][k] for run in runs)
@@ -327,6 +321,7 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
                 exchanges[k] = count[k]
     finally:
         model.train(was_training)
+    now = clock(batches[0].feats.device)
     profs = []
     for k, blk in enumerate(blocks):
         v = [m["voxels"] for m in raw[k]]
@@ -335,7 +330,12 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
         pbytes = float(sum(p.numel() * p.element_size() for p in blk.parameters()))
         profs.append(BlockProfile(name=f"{k}:{type(blk).__name__}", param_bytes=pbytes,
                                   halo=tuple(halo[k]), exchanges=exchanges[k],  # type: ignore
-                                  measured=tuple(raw[k]), **fits))
+                                  measured=tuple(raw[k]),
+                                  update=_update_time(blk, repeats, now), **fits))
+    kmaps = []
+    for key, (creator, users, _) in kraw[0].items():
+        fit = fit_linear([b.num_voxels for b in batches], [kr[key][2] for kr in kraw])
+        kmaps.append(KmapProfile(key, creator, tuple(sorted(users)), fit))
     x0 = batches[0]
     vps = statistics.mean(b.num_voxels / b.batch_size for b in batches)
     return ModelProfile(name=name or type(model).__name__, device=str(x0.feats.device),
@@ -345,4 +345,4 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
                         in_channels=x0.num_channels, sizes=tuple(b.num_voxels for b in batches),
                         peak_bytes=tuple(peaks),
                         notes={"repeats": repeats, "warmup": warmup,
-                               "torch": torch.__version__})
+                               "torch": torch.__version__}, kmaps=tuple(kmaps))

@@ -18,10 +18,13 @@ Predicted step time of a candidate (every term in seconds; formulas in
                     ceil(n / m) samples: V = ceil(n / m) * voxels_per_sample input voxels
     busiest box     v = V * largest_share(grid, imbalance)
     block b         time_b = fwd_b(v) + bwd_b(v) + halo_time(halo_bytes(h_b, V, E, grid))
+    stage [i, j)    + the kernel maps made before block i that it uses, rebuilt once per
+                    micro-batch (ModelProfile.rebuild_costs at v voxels; pipelines only)
                     out_bytes_b(V) * share, act_bytes_b(v), param_bytes_b * optimizer_factor
     partition       the exact least-bottleneck split (partition_stages) over the S stage devices
                     with the stage links and the schedule's in-flight micro-batches
     step            sum_s t_s + (m - 1) max_s t_s + max_s ring_allreduce(params_s, R * G ranks)
+                    + max_s update_s / speed_s    (the optimizer step, once per step)
 
 Candidates: every ``R * S * G == ranks`` with ``S <= blocks``, every grid of ``G`` whose boxes
 hold one stride block each (``g_a <= E_a / total_stride``), every ``m`` in
@@ -35,6 +38,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
 
 from sparsepipe_hpc.plan.cost import (OPTIMIZER_FACTOR, Link, halo_bytes, halo_time,
                                       largest_share, ring_allreduce_time)
@@ -66,6 +71,7 @@ class Plan:
     transfer: tuple[float, ...]
     halo: tuple[float, ...]
     allreduce: tuple[float, ...]
+    update: tuple[float, ...]
     memory: tuple[float, ...]
     voxels_per_rank: float
 
@@ -178,6 +184,7 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
                     param_bytes=b.param_bytes * factor, act_bytes=b.act_bytes(v), name=b.name)
               for b, h in zip(profile.blocks, halos)]
     inflight = inflight_gpipe if schedule == "gpipe" else inflight_1f1b
+    rebuild = profile.rebuild_costs(v) if stages > 1 else None
     if balance is not None:
         if len(balance) != stages or sum(balance) != len(blocks) or min(balance) < 1:
             raise SearchError(f"balance {tuple(balance)} must give {stages} positive block "
@@ -191,23 +198,26 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
                                     param_bytes=sum(bl.param_bytes for bl in blocks[a:b]),
                                     act_bytes=sum(bl.act_bytes for bl in blocks[a:b]))
                               for a, b in zip(bounds[:-1], bounds[1:])],
-                             devs, links or Link(), micro_batches, inflight)
+                             devs, links or Link(), micro_batches, inflight,
+                             None if rebuild is None else rebuild[np.ix_(bounds, bounds)])
         bal = tuple(int(n) for n in balance)
         halo_s = [sum(halos[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     else:
-        p = partition_stages(blocks, devs, links or Link(), micro_batches, inflight)
+        p = partition_stages(blocks, devs, links or Link(), micro_batches, inflight, rebuild)
         bal = tuple(b - a for a, b in zip(p.bounds[:-1], p.bounds[1:]))
         halo_s = [sum(halos[a:b]) for a, b in zip(p.bounds[:-1], p.bounds[1:])]
         bounds = list(p.bounds)
     weights = [sum(b.param_bytes for b in profile.blocks[a:c])
                for a, c in zip(bounds[:-1], bounds[1:])]
     ar = tuple(ring_allreduce_time(w, replicas * G, ln) for w, ln in zip(weights, group_links))
+    upd = tuple(sum(b.update for b in profile.blocks[a:c]) / d.speed
+                for a, c, d in zip(bounds[:-1], bounds[1:], devs))
     return Plan(replicas=replicas, stages=stages, grid=g, micro_batches=micro_batches,
                 balance=bal, pipeline_schedule=schedule,
-                step_time=p.step_time() + max(ar), stage_times=p.times,
+                step_time=p.step_time() + max(ar) + max(upd), stage_times=p.times,
                 compute=tuple(c - h / d.speed for c, h, d in zip(p.compute, halo_s, devs)),
                 transfer=p.transfer, halo=tuple(h / d.speed for h, d in zip(halo_s, devs)),
-                allreduce=ar, memory=p.memory, voxels_per_rank=v)
+                allreduce=ar, update=upd, memory=p.memory, voxels_per_rank=v)
 
 
 def search(profile: ModelProfile, machine: Machine, batch_size: int,
