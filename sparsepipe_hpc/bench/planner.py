@@ -9,7 +9,8 @@
    ``mpirun -n 2 python -m sparsepipe_hpc.plan --measure-machine``.
 2. For every plan in :data:`PLANS` (1-4 ranks: data, spatial, pipeline, micro-batches and mixes)
    ``mpirun -n N`` runs the trainer's own step (:meth:`Trainer.train_step`) on a fixed batch
-   (voxelized once, outside the timing: the planner does not model input), ``--warmup`` + ``--steps``
+   (voxelized once, outside the timing: the planner does not model input; its kernel maps dropped
+   before every step, so each step builds them as a real one does), ``--warmup`` + ``--steps``
    times between barriers; the measured step is the median. The prediction is
    :func:`~sparsepipe_hpc.plan.search.evaluate` of the same layout, voxels per sample = the batch's
    mean. CPU ranks beyond this machine's cores share them: the machine model then gives each rank
@@ -27,6 +28,7 @@ and predicted. Figures measure this machine; on 2 shared cores they are noisy.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -107,7 +109,10 @@ def worker(args: argparse.Namespace) -> None:
         _slow_down(trainer, args.slow_factor)
     indices = trainer.batches.shard(list(range(BATCH)))
     batch = trainer._batch(trainer.train_set, indices, None)   # once, outside the timing
-    trainer._batch = lambda *a, **k: batch                      # type: ignore[method-assign]
+    # Every step gets the batch with no kernel maps, as a new batch would: a cached map would
+    # leave out the map building that every real step does.
+    trainer._batch = lambda *a, **k: dataclasses.replace(  # type: ignore[method-assign]
+        batch, x=batch.x.replace(kmaps={}))
     times = []
     for _ in range(args.warmup + args.steps):
         comm.Barrier()

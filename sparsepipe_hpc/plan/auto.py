@@ -8,6 +8,11 @@ profile_model`, 3 repeats), and searches the layouts of the job's ranks on a uni
 that many ranks (one node: every rank gets the same speed, links are the defaults), keeping every
 layout option the user set (``cfg.plan_fixed``). The chosen plan is broadcast; every rank applies
 it. A failure on rank 0 (unreadable data, nothing fits) is raised on every rank.
+
+The pick rests on timings, so two runs may pick different layouts when plans are close; a run
+that must resume under the same layout (a checkpoint holds per-stage shards) should write its
+plan once (``python -m sparsepipe_hpc.plan --json FILE``) and pass ``--plan FILE``. The chosen
+layout is recorded in the run's ``config.json``.
 """
 
 from __future__ import annotations
