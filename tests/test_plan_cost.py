@@ -83,7 +83,7 @@ def test_halo_bytes_by_hand():
     assert halo_bytes(coef, V, E, (1, 1, 1)) == 0.0
     # x cut in 2: one inner face covering the whole cross-section; 6400 / 64 = 100 voxels per layer.
     assert halo_bytes(coef, V, E, (2, 1, 1)) == pytest.approx(1 * 1.0 * 100 * 8.0)
-    # x in 4 (two inner faces, each a quarter... of a box that is the whole cross-section) and y in 2.
+    # x in 4 (two inner faces, each covering g_x / G = 1/2 of the cross-section) and y in 2.
     g = (4, 2, 1)
     want = 2 * 4 / 8 * (V / 64) * 8.0 + 1 * 2 / 8 * (V / 32) * 4.0
     assert halo_bytes(coef, V, E, g) == pytest.approx(want)

@@ -5,7 +5,8 @@
 
 1. The model of the trainer's default run (seg U-Net, width 16, depth 3, global batch 4) is
    profiled in this process, one thread, on the first training samples of the default data
-   (:func:`~sparsepipe_hpc.plan.profile.profile_model`, batches of 1, 2 and 4 samples), and the links are measured by
+   (:func:`~sparsepipe_hpc.plan.profile.profile_model`, batches of 1, 2 and 4 samples), and the
+   links are measured by
    ``mpirun -n 2 python -m sparsepipe_hpc.plan --measure-machine``.
 2. For every plan in :data:`PLANS` (1-4 ranks: data, spatial, pipeline, micro-batches and mixes)
    ``mpirun -n N`` runs the trainer's own step (:meth:`Trainer.train_step`) on a fixed batch

@@ -21,8 +21,8 @@ from sparsepipe_hpc.plan.partition import (Block, Device, Partition, PartitionEr
                                            inflight_gpipe, partition_stages,
                                            partition_stages_best_order)
 from sparsepipe_hpc.plan.planfile import PlanFileError, read_plan
-from sparsepipe_hpc.plan.profile import (BlockProfile, Fit, ModelProfile, ProfileError,
-                                         profile_model, synthetic_batch)
+from sparsepipe_hpc.plan.profile import (BlockProfile, Fit, KmapProfile, ModelProfile,
+                                         ProfileError, profile_model, synthetic_batch)
 from sparsepipe_hpc.plan.search import Plan, SearchError, SearchResult, evaluate, search
 
 __all__ = ["Link", "pipeline_step_time", "uniform_pipeline_step_time", "bubble_fraction",
@@ -30,5 +30,5 @@ __all__ = ["Link", "pipeline_step_time", "uniform_pipeline_step_time", "bubble_f
            "memory_bytes", "Block", "Device", "Partition", "PartitionError", "inflight_1f1b",
            "inflight_gpipe", "partition_stages", "partition_stages_best_order", "Machine",
            "MachineError", "load_machine", "measure_links", "PlanFileError", "read_plan",
-           "BlockProfile", "Fit", "ModelProfile", "ProfileError", "profile_model",
+           "BlockProfile", "Fit", "KmapProfile", "ModelProfile", "ProfileError", "profile_model",
            "synthetic_batch", "Plan", "SearchError", "SearchResult", "evaluate", "search"]

@@ -3,10 +3,10 @@
     cfg = auto_plan(cfg, comm)     # collective: rank 0 profiles and searches, every rank applies
 
 Rank 0 voxelizes batches of the first 1, 2 and 4 training samples (capped by the batch size: the
-sizes micro-batches have, so the voxel fit interpolates), profiles the model on them (:func:`~sparsepipe_hpc.plan.profile.
-profile_model`, 3 repeats), and searches the layouts of the job's ranks on a uniform machine of
-that many ranks (one node: every rank gets the same speed, links are the defaults), keeping every
-layout option the user set (``cfg.plan_fixed``). The chosen plan is broadcast; every rank applies
+sizes micro-batches have, so the voxel fit interpolates), profiles the model on them
+(:func:`~sparsepipe_hpc.plan.profile.profile_model`, 3 repeats), and searches the layouts of the
+job's ranks on a uniform machine of that many ranks (one node: every rank gets the same speed,
+links are the defaults), keeping every layout option the user set (``cfg.plan_fixed``). The chosen plan is broadcast; every rank applies
 it. A failure on rank 0 (unreadable data, nothing fits) is raised on every rank.
 
 The pick rests on timings, so two runs may pick different layouts when plans are close; a run
@@ -72,7 +72,7 @@ def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
     plan = comm.bcast(plan, root=0)
     if rank0 and log is not None:
         log(f"--plan auto: {' '.join(plan.trainer_args())} (predicted {plan.step_time:.3g} s "
-            f"per step on {plan.ranks} ranks)")
+            f"per step on {plan.ranks} rank(s))")
     changes = {"replicas": plan.replicas, "stages": plan.stages, "grid": plan.grid,
                "micro_batches": plan.micro_batches,
                "balance": ",".join(map(str, plan.balance)) if plan.stages > 1 else cfg.balance}

@@ -263,9 +263,9 @@ def search(profile: ModelProfile, machine: Machine, batch_size: int,
                         key = str(e).split(";")[0][:120]
                         rejected[key] = rejected.get(key, 0) + 1
     if not plans:
-        why = "; ".join(f"{k} (x{c})" for k, c in list(rejected.items())[:3]) or \
-            f"no layout of {n} ranks fits batch_size {batch_size}, {nblocks} blocks and the fixed " \
-            f"values {fixed}"
+        why = "; ".join(f"{k} (x{c})" for k, c in list(rejected.items())[:3]) or (
+            f"no layout of {n} ranks fits batch_size {batch_size}, {nblocks} blocks and the "
+            f"fixed values {fixed}")
         raise SearchError(f"no plan fits {n} ranks: {why}; add ranks or memory, or lower "
                           f"--batch-size")
     plans.sort(key=lambda p: (p.step_time, p.stages, p.micro_batches, -p.replicas,
