@@ -57,7 +57,8 @@ def test_profile_fits_halo_and_json_round_trip():
     prof = profile_model(net, batches, repeats=2, warmup=0, name="unet")
     for p, w in zip(net.parameters(), before):   # profiling leaves the weights as they were
         assert torch.equal(p, w) and p.grad is None
-    assert len(prof.blocks) == len(net.blocks) and prof.sizes == tuple(b.num_voxels for b in batches)
+    assert len(prof.blocks) == len(net.blocks)
+    assert prof.sizes == tuple(b.num_voxels for b in batches)
     assert prof.total_stride == 4 and prof.extent == batches[0].spatial_shape
     # Stem: SubM3 (3 -> 8) + a residual unit of two SubM3 (8 -> 8) at the input's stride:
     # radius 1 * channels * 4 bytes each, on every axis.

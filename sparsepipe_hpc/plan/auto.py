@@ -6,8 +6,8 @@ Rank 0 voxelizes batches of the first 1, 2 and 4 training samples (capped by the
 sizes micro-batches have, so the voxel fit interpolates), profiles the model on them
 (:func:`~sparsepipe_hpc.plan.profile.profile_model`, 3 repeats), and searches the layouts of the
 job's ranks on a uniform machine of that many ranks (one node: every rank gets the same speed,
-links are the defaults), keeping every layout option the user set (``cfg.plan_fixed``). The chosen plan is broadcast; every rank applies
-it. A failure on rank 0 (unreadable data, nothing fits) is raised on every rank.
+links are the defaults), keeping every layout option the user set (``cfg.plan_fixed``). The
+chosen plan is broadcast; every rank applies it. A failure on rank 0 (unreadable data, nothing fits) is raised on every rank.
 
 The pick rests on timings, so two runs may pick different layouts when plans are close; a run
 that must resume under the same layout (a checkpoint holds per-stage shards) should write its
