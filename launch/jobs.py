@@ -21,7 +21,9 @@ A plan (JSON, from the planner) gives at least ``nodes``, ``gpus_per_node`` (or 
 ``grid`` ``[x, y, z]``, ``replicas`` and ``stages``; its layout must fill the job exactly
 (``replicas * stages * x * y * z == nodes * gpus_per_node``), and it adds ``--grid x,y,z
 --replicas R`` (plus ``--stages S`` when S > 1 and ``--micro-batches M`` when the plan has
-``micro_batches``) before the trainer arguments given after ``--``.
+``micro_batches``, ``--balance`` for a pipeline with ``balance`` and ``--pipeline-schedule``)
+before the trainer arguments given after ``--``. The planner's ``--json`` output (``{"plans":
+[chosen, ...]}``) is read as its chosen plan.
 """
 
 from __future__ import annotations
@@ -166,6 +168,8 @@ def load_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise LaunchError(f"plan {os.fspath(path)!r} must be a JSON object, got "
                           f"{type(plan).__name__}")
     where = f"plan {os.fspath(path)!r}"
+    if isinstance(plan.get("plans"), list) and plan["plans"] and isinstance(plan["plans"][0], dict):
+        plan = plan["plans"][0]   # python -m sparsepipe_hpc.plan --json: the chosen plan first
     if "gpus_per_node" not in plan and "ranks_per_node" in plan:
         plan = {**plan, "gpus_per_node": plan["ranks_per_node"]}
     for key in ("nodes", "gpus_per_node", "grid", "replicas", "stages"):
@@ -180,6 +184,15 @@ def load_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise LaunchError(f"{where}: grid {grid!r} must be three positive integers [x, y, z]")
     if "micro_batches" in plan:
         _check_count(f"{where}: micro_batches", plan["micro_batches"], 1)
+    balance = plan.get("balance")
+    if balance is not None and (
+            not isinstance(balance, list) or len(balance) != plan["stages"]
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance)):
+        raise LaunchError(f"{where}: balance {balance!r} must list {plan['stages']} positive "
+                          "block counts, one per stage")
+    if plan.get("pipeline_schedule", "1f1b") not in ("1f1b", "gpipe"):
+        raise LaunchError(f"{where}: pipeline_schedule {plan['pipeline_schedule']!r} must be "
+                          "1f1b or gpipe")
     used = plan["replicas"] * plan["stages"] * math.prod(grid)
     have = plan["nodes"] * plan["gpus_per_node"]
     if used != have:
@@ -201,6 +214,10 @@ def plan_trainer_args(plan: Mapping[str, Any]) -> list[str]:
         args += ["--stages", str(plan["stages"])]
     if "micro_batches" in plan:
         args += ["--micro-batches", str(plan["micro_batches"])]
+    if plan["stages"] > 1 and plan.get("balance"):
+        args += ["--balance", ",".join(map(str, plan["balance"]))]
+    if "pipeline_schedule" in plan and (plan["stages"] > 1 or plan.get("micro_batches", 1) > 1):
+        args += ["--pipeline-schedule", str(plan["pipeline_schedule"])]
     return args
 
 

@@ -63,3 +63,38 @@ def test_hand_values():
 def test_bad_input_is_named(call, msg):
     with pytest.raises(ValueError, match=msg):
         call()
+
+
+# ---- spatial terms and memory -------------------------------------------------------------------
+
+from sparsepipe_hpc.plan.cost import halo_bytes, halo_time, largest_share, memory_bytes  # noqa: E402
+
+
+def test_largest_share():
+    assert largest_share((2, 2, 1)) == 0.25
+    assert largest_share((2, 1, 1), imbalance=1.5) == 0.75
+    assert largest_share((1, 1, 1), imbalance=3.0) == 1.0
+    with pytest.raises(ValueError, match="imbalance is 0.5"):
+        largest_share((2, 1, 1), imbalance=0.5)
+
+
+def test_halo_bytes_by_hand():
+    coef, V, E = (8.0, 4.0, 2.0), 6400.0, (64, 32, 16)
+    assert halo_bytes(coef, V, E, (1, 1, 1)) == 0.0
+    # x cut in 2: one inner face covering the whole cross-section; 6400 / 64 = 100 voxels per layer.
+    assert halo_bytes(coef, V, E, (2, 1, 1)) == pytest.approx(1 * 1.0 * 100 * 8.0)
+    # x in 4 (two inner faces, each covering g_x / G = 1/2 of the cross-section) and y in 2.
+    g = (4, 2, 1)
+    want = 2 * 4 / 8 * (V / 64) * 8.0 + 1 * 2 / 8 * (V / 32) * 4.0
+    assert halo_bytes(coef, V, E, g) == pytest.approx(want)
+
+
+def test_halo_time_and_memory():
+    link = Link(1e-5, 1e-9)
+    assert halo_time(1000.0, 3, (1, 1, 1), link) == 0.0
+    assert halo_time(1000.0, 3, (2, 1, 1), link) == pytest.approx(2 * (3 * 2 * 1e-5 + 1e-6))
+    assert halo_time(1000.0, 1, (2, 2, 2), link) == pytest.approx(2 * (26 * 1e-5 + 1e-6))
+    assert memory_bytes(100.0, 10.0, 3) == 430.0
+    assert memory_bytes(100.0, 10.0, 3, optimizer_factor=3.0) == 330.0
+    with pytest.raises(ValueError, match="act_bytes"):
+        memory_bytes(1.0, -1.0, 1)

@@ -25,7 +25,7 @@ def _link_at(link, devs, s):
     return link[s]
 
 
-def brute_all(blocks, devs, link, m, inflight):
+def brute_all(blocks, devs, link, m, inflight, extra=None):
     """Every feasible (bounds, times) of blocks over devs in this order."""
     n, S = len(blocks), len(devs)
     out = []
@@ -34,7 +34,8 @@ def brute_all(blocks, devs, link, m, inflight):
         times, ok = [], True
         for s in range(S):
             i, j = bounds[s], bounds[s + 1]
-            t = sum(b.time for b in blocks[i:j]) / devs[s].speed
+            t = (sum(b.time for b in blocks[i:j])
+                 + (extra[i][j] if extra is not None else 0)) / devs[s].speed
             if s > 0:
                 ln = _link_at(link, devs, s - 1)
                 t += 2 * (ln.alpha + ln.beta * blocks[i - 1].out_bytes)
@@ -320,3 +321,25 @@ def test_larger_instance_runs_and_balances():
     p = partition_stages([Block(time=float(t)) for t in times], [Device()] * 16)
     assert len(p.bounds) == 17 and p.bottleneck <= times.sum() / 16 + times.max()
     assert p.bottleneck >= times.sum() / 16
+
+
+def test_extra_segment_costs_against_brute_force():
+    """A stage that starts at block i pays extra[i, j] (kernel maps made by an earlier stage):
+    the DP stays exact for any segment costs."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n = int(rng.integers(1, 8))
+        S = int(rng.integers(1, n + 1))
+        blocks = [Block(time=float(rng.integers(0, 9)), out_bytes=float(rng.integers(0, 5)))
+                  for _ in range(n)]
+        devs = [Device(speed=float(2.0 ** rng.integers(-1, 2))) for _ in range(S)]
+        extra = np.triu(rng.integers(0, 6, size=(n + 1, n + 1)).astype(float), 1)
+        extra[0, :] = 0.0   # the first stage rebuilds nothing
+        link = Link(alpha=1.0, beta=0.5)
+        want = brute_best(brute_all(blocks, devs, link, 1, inflight_1f1b, extra))
+        got = partition_stages(blocks, devs, link, 1, extra=extra)
+        assert (got.bounds, list(got.times)) == (want[0], want[1])
+        best = partition_stages_best_order(blocks, devs, link, extra=extra)
+        assert best.bottleneck <= got.bottleneck
+    with pytest.raises(PartitionError, match=r"extra must be a \[3, 3\] array"):
+        partition_stages([Block(1.0), Block(1.0)], [Device()], extra=np.zeros((2, 2)))

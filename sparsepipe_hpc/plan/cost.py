@@ -26,6 +26,31 @@ micro-batch's forward + backward on stage ``s``, transfers included; bottleneck 
   (a reduce-scatter and an all-gather of ``r - 1`` steps each, every step moving ``bytes / r``;
   Thakur, Rabenseifner & Gropp, 2005). Zero for one replica.
 
+Spatial parallelism (Dryden et al., IPDPS 2019), for a grid ``g = (gx, gy, gz)`` of ``G`` ranks
+over a micro-batch of ``V`` input voxels on an extent ``E`` (voxels per axis):
+
+* ``largest_share``: the busiest box holds ``min(1, imbalance / G)`` of the voxels (``imbalance``
+  = largest box / mean box: 1 for perfectly balanced cuts). A block's compute on the grid is its
+  profiled time at ``V * largest_share`` voxels (the fixed part ``a`` of ``a + b v`` does not
+  shrink, which is why small boxes stop scaling).
+* ``halo_bytes``: per submanifold convolution a rank receives, across each split axis ``a``, a
+  layer ``r`` voxels deep on each of its ``min(2, g_a - 1)`` inner faces; a face covers
+  ``g_a / G`` of the cross-section, which holds ``V / E_a`` voxels per layer. With the profiled
+  coefficient ``h_a = sum_l r_l C_l itemsize (V_l / E_l[a]) / (V / E[a])`` (bytes per input voxel
+  layer, summed over the block's convolutions)::
+
+      halo_bytes = sum_a [g_a > 1] * min(2, g_a - 1) * (g_a / G) * (V / E_a) * h_a
+
+  Edges and corners (diagonal neighbours) are ignored: they add a fraction ``~ r / box side``.
+* ``halo_time``: ``2 * (exchanges * neighbours * alpha + beta * halo_bytes)``, forward and the
+  adjoint backward, ``neighbours = 3^k - 1`` for ``k`` split axes (26 in 3-D), receives in
+  parallel over a full-duplex link.
+* ``stage_transfer_bytes``: a cut carrying ``B`` bytes for the micro-batch sends ``B / G`` per
+  rank (rank ``i`` of stage ``s`` to rank ``i`` of stage ``s + 1``: same box; worst box
+  ``B * largest_share``).
+* ``memory_bytes``: ``param_bytes * optimizer_factor + inflight * act_bytes`` (weights, gradients
+  and optimizer moments: AdamW keeps 2, so ``optimizer_factor = 4``; SGD with momentum 3).
+
 Assumptions shared by all: stage times do not vary between micro-batches, transfers and the
 all-reduce do not overlap compute (the step adds them; overlap would only make the step shorter).
 """
@@ -37,7 +62,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = ["Link", "pipeline_step_time", "uniform_pipeline_step_time", "bubble_fraction",
-           "ring_allreduce_time", "step_time"]
+           "ring_allreduce_time", "step_time", "largest_share", "halo_bytes", "halo_time",
+           "memory_bytes", "OPTIMIZER_FACTOR"]
+
+#: Bytes of state per byte of weights: the weight, its gradient and the optimizer's moments.
+OPTIMIZER_FACTOR = {"adamw": 4.0, "sgd": 3.0}
 
 
 def _nonneg(name: str, value: float) -> float:
@@ -126,3 +155,52 @@ def step_time(stage_times: Sequence[float], microbatches: int,
         raise ValueError(f"allreduce_times has {len(ar)} entries but stage_times has "
                          f"{len(stage_times)}; pass one all-reduce time per stage or none")
     return pipeline_step_time(stage_times, microbatches) + max(ar, default=0.0)
+
+
+def _grid(grid: Sequence[int]) -> tuple[int, int, int]:
+    g = tuple(int(x) for x in grid)
+    if len(g) != 3 or min(g) < 1:
+        raise ValueError(f"grid is {tuple(grid)!r}; it must be three whole numbers >= 1")
+    return g  # type: ignore[return-value]
+
+
+def largest_share(grid: Sequence[int], imbalance: float = 1.0) -> float:
+    """Share of the voxels in the busiest box of ``grid``: ``min(1, imbalance / G)``."""
+    if not math.isfinite(imbalance) or imbalance < 1:
+        raise ValueError(f"imbalance is {imbalance!r}; it must be a finite number >= 1 "
+                         f"(largest box / mean box)")
+    return min(1.0, imbalance / math.prod(_grid(grid)))
+
+
+def halo_bytes(coef: Sequence[float], voxels: float, extent: Sequence[int],
+               grid: Sequence[int]) -> float:
+    """Bytes one rank receives per halo round of a block (see the module for the formula).
+
+    coef: the block's ``h_a`` per axis (bytes per input voxel layer); voxels: ``V`` of the
+    micro-batch; extent: ``E`` per axis in voxels; grid: ``g``.
+    """
+    g = _grid(grid)
+    v = _nonneg("voxels", voxels)
+    total = math.prod(g)
+    out = 0.0
+    for a in range(3):
+        if g[a] > 1:
+            e = _nonneg(f"extent[{a}]", extent[a]) or 1.0
+            out += min(2, g[a] - 1) * g[a] / total * (v / e) * _nonneg(f"coef[{a}]", coef[a])
+    return out
+
+
+def halo_time(nbytes: float, exchanges: int, grid: Sequence[int], link: Link) -> float:
+    """Seconds of halo traffic of a block per micro-batch, forward + backward (see the module)."""
+    g = _grid(grid)
+    split = sum(1 for x in g if x > 1)
+    if split == 0 or exchanges == 0:
+        return 0.0
+    return 2 * (exchanges * (3 ** split - 1) * link.alpha + link.beta * _nonneg("nbytes", nbytes))
+
+
+def memory_bytes(param_bytes: float, act_bytes: float, inflight: int,
+                 optimizer_factor: float = OPTIMIZER_FACTOR["adamw"]) -> float:
+    """Bytes a device holds: ``param_bytes * optimizer_factor + inflight * act_bytes``."""
+    return (_nonneg("param_bytes", param_bytes) * _nonneg("optimizer_factor", optimizer_factor)
+            + _nonneg("inflight", inflight) * _nonneg("act_bytes", act_bytes))

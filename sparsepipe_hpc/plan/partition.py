@@ -12,11 +12,14 @@ Model (BaPipe, arXiv 2012.12544: balanced partition over heterogeneous accelerat
 of ``S`` runs blocks ``[i, j)`` on device ``s`` (``speed_s`` relative to the reference device the
 block times were measured on, ``memory_s`` bytes). Per micro-batch it costs, in seconds::
 
-    f_s(i, j) = sum(time[i:j]) / speed_s                               compute, forward + backward
+    f_s(i, j) = (sum(time[i:j]) + extra[i, j]) / speed_s              compute, forward + backward
               + (s > 0)     * 2 * link_{s-1}.time(out_bytes[i - 1])    activation in, gradient out
               + (s < S - 1) * 2 * link_s.time(out_bytes[j - 1])        activation out, gradient in
 
-where ``link_s`` joins stages ``s`` and ``s + 1``: a cut after block ``b`` carries ``out_bytes[b]``
+where ``extra[i, j]`` (seconds on a speed-1 device, default 0) is work a stage pays only because
+it starts at block ``i``, such as kernel maps made by an earlier stage that it must rebuild
+(:meth:`sparsepipe_hpc.plan.profile.ModelProfile.rebuild_costs`); ``link_s`` joins stages ``s``
+and ``s + 1``: a cut after block ``b`` carries ``out_bytes[b]``
 forward and a gradient of the same size backward, and point-to-point transfers are blocking (not
 overlapped with compute), so both ends of a cut pay for it. ``out_bytes[b]`` must count everything
 alive across that cut (U-Net skips passing through, too). Memory of the stage::
@@ -230,8 +233,19 @@ class _Tables:
         self.out = np.array([b.out_bytes for b in blocks], dtype=np.float64)
 
 
+def _extra(extra: Optional[np.ndarray], n: int) -> np.ndarray:
+    if extra is None:
+        return np.zeros((n + 1, n + 1))
+    e = np.asarray(extra, dtype=np.float64)
+    if e.shape != (n + 1, n + 1) or not np.all(np.isfinite(e)) or np.any(e < 0):
+        raise PartitionError(f"extra must be a [{n + 1}, {n + 1}] array of finite seconds >= 0 "
+                             f"(entry [i, j]: a stage running blocks i..j-1); got shape "
+                             f"{e.shape}")
+    return e
+
+
 def _solve(tab: _Tables, devices: Sequence[Device], order: tuple[int, ...], links: list[Link],
-           ks: list[int], m: int) -> Optional[Partition]:
+           ks: list[int], m: int, extra: Optional[np.ndarray] = None) -> Optional[Partition]:
     """The DP of the module docstring for one device order; None when nothing fits in memory."""
     n, S = tab.n, len(devices)
     lower = np.tril(np.ones((n + 1, n + 1), dtype=bool))       # j <= i: empty stage
@@ -239,7 +253,7 @@ def _solve(tab: _Tables, devices: Sequence[Device], order: tuple[int, ...], link
     xfer = np.zeros((S, n + 1, n + 1))
     mem = np.empty((S, n + 1, n + 1))
     for s, d in enumerate(devices):
-        comp[s] = tab.time / d.speed
+        comp[s] = (tab.time if extra is None else tab.time + extra) / d.speed
         if s > 0:   # cut before block i carries out_bytes[i - 1]; i = 0 is never used here
             xfer[s] += (2 * (links[s - 1].alpha + links[s - 1].beta * np.r_[0.0, tab.out]))[:, None]
         if s < S - 1:
@@ -306,18 +320,21 @@ def _infeasible(blocks: Sequence[Block], devices: Sequence[Device], ks_of: Calla
 
 def partition_stages(blocks: Sequence[Block], devices: Sequence[Device],
                      link: LinkSpec = Link(), microbatches: int = 1,
-                     inflight: InflightFn = inflight_1f1b) -> Partition:
+                     inflight: InflightFn = inflight_1f1b,
+                     extra: Optional[np.ndarray] = None) -> Partition:
     """The exact least-bottleneck contiguous split of ``blocks`` over ``devices``, in their order.
 
     link: one :class:`Link` for every stage pair, a list of ``S - 1`` (pair ``s`` joins stages
     ``s`` and ``s + 1``), or a function ``(Device, Device) -> Link``. microbatches: ``m``.
-    inflight: ``(stage, stages, m) -> k_s``. Raises :class:`PartitionError` on invalid input or
+    inflight: ``(stage, stages, m) -> k_s``. extra: ``[B + 1, B + 1]`` seconds a stage over
+    blocks ``[i, j)`` adds (module docstring). Raises :class:`PartitionError` on invalid input or
     when no split fits in memory. See the module docstring for the model and the tie-breaks.
     """
     _check_inputs(blocks, devices, microbatches)
     m, S = int(microbatches), len(devices)
     ks = _inflight(inflight, S, m)
-    p = _solve(_Tables(blocks), devices, tuple(range(S)), _links(link, devices), ks, m)
+    p = _solve(_Tables(blocks), devices, tuple(range(S)), _links(link, devices), ks, m,
+               None if extra is None else _extra(extra, len(blocks)))
     if p is None:
         raise _infeasible(blocks, devices, lambda s: ks[s], any_order=False)
     return p
@@ -346,7 +363,8 @@ def _orders(classes: list[int]) -> Iterator[tuple[int, ...]]:
 def partition_stages_best_order(blocks: Sequence[Block], devices: Sequence[Device],
                                 link: Union[Link, Callable[[Device, Device], Link]] = Link(),
                                 microbatches: int = 1, inflight: InflightFn = inflight_1f1b,
-                                max_orders: int = 5040) -> Partition:
+                                max_orders: int = 5040,
+                                extra: Optional[np.ndarray] = None) -> Partition:
     """The exact least-bottleneck split over every distinct order of ``devices`` (see the module).
 
     ``Partition.order[s]`` is the index in ``devices`` of the device that runs stage ``s``.
@@ -374,6 +392,7 @@ def partition_stages_best_order(blocks: Sequence[Block], devices: Sequence[Devic
                              f"order with partition_stages, or raise max_orders")
     members = [[k for k, c in enumerate(classes) if c == cls] for cls in range(len(kinds))]
     tab = _Tables(blocks)
+    ex = None if extra is None else _extra(extra, len(blocks))
     best: Optional[Partition] = None
     for perm in _orders(classes):
         seen = [0] * len(kinds)
@@ -382,7 +401,7 @@ def partition_stages_best_order(blocks: Sequence[Block], devices: Sequence[Devic
             order.append(members[c][seen[c]])
             seen[c] += 1
         devs = [devices[k] for k in order]
-        p = _solve(tab, devs, tuple(order), _links(link, devs), ks, m)
+        p = _solve(tab, devs, tuple(order), _links(link, devs), ks, m, ex)
         if p is not None and (best is None
                               or (p.bottleneck, sum(p.times)) < (best.bottleneck, sum(best.times))):
             best = p

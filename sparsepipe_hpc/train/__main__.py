@@ -4,6 +4,7 @@
     mpirun -n 2 python -m sparsepipe_hpc.train                    # 2 data-parallel replicas
     mpirun -n 4 python -m sparsepipe_hpc.train --grid 2,1,1       # 2 replicas x 2 spatial ranks
     mpirun -n 2 python -m sparsepipe_hpc.train --config run.toml --resume auto --out runs/a
+    mpirun -n 4 python -m sparsepipe_hpc.train --plan auto        # the planner picks the layout
 
 Exit status: 0 after training or after a checkpoint asked for by SIGTERM or SIGUSR1, 2 for bad
 input (the message is printed once, by rank 0; every rank exits), 1 with an MPI abort of all ranks
@@ -55,6 +56,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # different --grid, --steps or --lr on one rank, stops every rank here with the values.
         cfg = agree(comm, lambda: parse_config(argv))
         check_same(comm, "configuration", cfg.to_dict())
+        if cfg.plan == "auto":  # rank 0 profiles the model on the data and picks the layout
+            from sparsepipe_hpc.plan.auto import auto_plan
+            cfg = auto_plan(cfg, comm)
         resolve_layout(cfg, comm.Get_size())  # the batch/replica checks, before any collective
         torch.set_num_threads(cfg.threads)
         install_sigterm_handler()  # flag only: the loop agrees on it and checkpoints collectively

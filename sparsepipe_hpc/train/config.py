@@ -98,10 +98,14 @@ class TrainConfig:
     input: str = "auto"
     progress: bool = True
     config: Optional[str] = None
+    plan: Optional[str] = None
+    plan_ranks: Optional[int] = None       # the ranks a --plan FILE was made for
+    plan_fixed: tuple[str, ...] = ()       # --plan auto: layout options the user set
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["grid"] = list(self.grid)
+        d["plan_fixed"] = list(self.plan_fixed)
         return d
 
 
@@ -242,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(torchgpipe's DeferredBatchNorm) instead of once per micro-batch (default "
                    "off: the run then equals one process with the same --micro-batches); loss "
                    "and gradients are the same either way")
+    g.add_argument("--plan", metavar="FILE|auto", help="take --replicas, --grid, --stages, "
+                   "--balance, --micro-batches and --pipeline-schedule from a planner's JSON "
+                   "(python -m sparsepipe_hpc.plan --json FILE), or auto: profile the model on "
+                   "the data and pick the fastest predicted layout for this job's ranks (options "
+                   "set explicitly are kept)")
     g.add_argument("--cuts", choices=("balanced", "uniform"), help="spatial cut placement "
                    "(default balanced)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
@@ -315,6 +324,7 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
     unknown = set(given) - fields
     if unknown:
         raise ConfigError(f"unknown option(s) {sorted(unknown)}; known: {sorted(fields)}")
+    given = _apply_plan(given)
     task = given.get("task", "seg")
     if task not in TASKS:
         raise ConfigError(f"--task must be one of {', '.join(TASKS)}; got {task!r}")
@@ -351,6 +361,32 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
     return cfg
 
 
+def _apply_plan(given: dict[str, Any]) -> dict[str, Any]:
+    """``--plan FILE``: its layout values, refusing any that contradict an option set explicitly;
+    ``--plan auto``: remember which layout options were set (the search keeps them)."""
+    from sparsepipe_hpc.plan.planfile import LAYOUT_FLAGS, PlanFileError, layout_options, read_plan
+
+    plan = given.get("plan")
+    if plan is None:
+        return given
+    if plan == "auto":
+        return {**given, "plan_fixed": tuple(k for k in LAYOUT_FLAGS if k in given)}
+    try:
+        checked = read_plan(plan)
+    except PlanFileError as e:
+        raise ConfigError(str(e)) from None
+    out = dict(given)
+    for key, value in layout_options(checked).items():
+        if key in given and given[key] != value:
+            show = (lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else str(v))
+            raise ConfigError(f"{LAYOUT_FLAGS[key]} {show(given[key])} contradicts --plan {plan}, "
+                              f"which sets {LAYOUT_FLAGS[key]} {show(value)}; drop "
+                              f"{LAYOUT_FLAGS[key]} or the plan")
+        out[key] = value
+    out["plan_ranks"] = checked["ranks"]
+    return out
+
+
 def distributed_input(cfg: TrainConfig) -> bool:
     """Whether each spatial rank reads only its share of the samples (``--input``)."""
     if cfg.input == "auto":
@@ -362,6 +398,10 @@ def distributed_input(cfg: TrainConfig) -> bool:
 def resolve_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     """The rank layout for ``world_size`` ranks, checking that the global batch splits evenly."""
     grid = cfg.grid or (1, 1, 1)
+    if cfg.plan_ranks is not None and cfg.plan_ranks != world_size:
+        raise ConfigError(f"--plan {cfg.plan} lays out {cfg.plan_ranks} ranks but the job has "
+                          f"{world_size}; start {cfg.plan_ranks} ranks, or plan for {world_size} "
+                          f"(python -m sparsepipe_hpc.plan --ranks {world_size}, or --plan auto)")
     if cfg.replicas is None and world_size % math.prod(grid):
         # Said in the trainer's options (the layout's own message is in library terms).
         raise ConfigError(f"--grid {','.join(map(str, grid))} uses {math.prod(grid)} ranks per "

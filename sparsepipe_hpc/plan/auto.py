@@ -1,0 +1,80 @@
+"""``train --plan auto``: profile the run's model on its own data and pick the layout.
+
+    cfg = auto_plan(cfg, comm)     # collective: rank 0 profiles and searches, every rank applies
+
+Rank 0 voxelizes batches of the first 1, 2 and 4 training samples (capped by the batch size: the
+sizes micro-batches have, so the voxel fit interpolates), profiles the model on them
+(:func:`~sparsepipe_hpc.plan.profile.profile_model`, 3 repeats), and searches the layouts of the
+job's ranks on a uniform machine of that many ranks (one node: every rank gets the same speed,
+links are the defaults), keeping every layout option the user set (``cfg.plan_fixed``). The
+chosen plan is broadcast; every rank applies it. A failure on rank 0 (unreadable data, nothing fits) is raised on every rank.
+
+The pick rests on timings, so two runs may pick different layouts when plans are close; a run
+that must resume under the same layout (a checkpoint holds per-stage shards) should write its
+plan once (``python -m sparsepipe_hpc.plan --json FILE``) and pass ``--plan FILE``. The chosen
+layout is recorded in the run's ``config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["auto_plan", "plan_for_config"]
+
+
+def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3) -> Any:
+    """The best :class:`~sparsepipe_hpc.plan.search.Plan` for ``cfg`` on ``world_size`` ranks."""
+    import torch
+
+    from sparsepipe_hpc.data import ModelNetDataset, SceneDataset, collate, grid_for
+    from sparsepipe_hpc.nn import build_model
+    from sparsepipe_hpc.plan.machine import Machine
+    from sparsepipe_hpc.plan.profile import profile_model
+    from sparsepipe_hpc.plan.search import search
+
+    seg = cfg.task == "seg"
+    data = SceneDataset(data_dir, "train") if seg else ModelNetDataset(data_dir, "train")
+    state = torch.random.get_rng_state()
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.in_channels, data.num_classes, width=cfg.width,
+                        depth=cfg.depth, engine=cfg.engine)
+    torch.random.set_rng_state(state)
+    origin, shape = grid_for(data, cfg.voxel_size, multiple=model.total_stride)
+    sizes = sorted({min(k, len(data), cfg.batch_size) for k in (1, 2, 4)})
+    batches = [collate([data[i] for i in range(k)], cfg.voxel_size, origin, shape, clip=True).x
+               for k in sizes]
+    prof = profile_model(model, batches, repeats=repeats, name=cfg.model)
+    fixed: dict[str, Any] = {}
+    for key in cfg.plan_fixed:
+        value = getattr(cfg, key)
+        if key == "balance" and value is not None:
+            value = tuple(int(v) for v in str(value).split(","))
+        fixed[key] = value
+    fixed.pop("pipeline_schedule", None)
+    machine = Machine.uniform(world_size, world_size)
+    result = search(prof, machine, cfg.batch_size, schedule=cfg.pipeline_schedule,
+                    optimizer=cfg.optimizer, fixed=fixed, extent=shape)
+    return result.plans[0]
+
+
+def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
+    """``cfg`` with the layout of the best plan for ``comm``'s ranks. **Collective.**"""
+    from sparsepipe_hpc.data import default_data
+    from sparsepipe_hpc.train.agreement import agree
+
+    if cfg.plan != "auto":
+        return cfg
+    data_dir = Path(cfg.data) if cfg.data else default_data(cfg.task, comm=comm)
+    rank0 = comm.Get_rank() == 0
+    plan = agree(comm, lambda: plan_for_config(cfg, comm.Get_size(), data_dir) if rank0 else None)
+    plan = comm.bcast(plan, root=0)
+    if rank0 and log is not None:
+        log(f"--plan auto: {' '.join(plan.trainer_args())} (predicted {plan.step_time:.3g} s "
+            f"per step on {plan.ranks} rank(s))")
+    changes = {"replicas": plan.replicas, "stages": plan.stages, "grid": plan.grid,
+               "micro_batches": plan.micro_batches,
+               "balance": ",".join(map(str, plan.balance)) if plan.stages > 1 else cfg.balance}
+    return dataclasses.replace(cfg, **{k: v for k, v in changes.items()
+                                       if k not in cfg.plan_fixed})

@@ -1,0 +1,204 @@
+"""``python -m sparsepipe_hpc.plan``: profile a model, search the layouts, print the best plans.
+
+    python -m sparsepipe_hpc.plan --model unet --ranks 8 --json plan.json
+    python -m sparsepipe_hpc.plan --model unet --ranks 4 --device-speed 1,1,0.5,0.5
+    mpirun -n 2 python -m sparsepipe_hpc.plan --measure-machine > machine.toml
+    python -m sparsepipe_hpc.plan --ranks 1024 --machine machine.toml \\
+        --voxels-per-sample 250000 --extent 400,400,80 --batch-size 256   # a prediction
+
+Prints a table of the chosen plan and the runners-up (predicted seconds per step, its parts, the
+largest device memory), and with ``--json FILE`` writes them (``plans[0]`` is the chosen plan; the
+file is what ``train --plan FILE`` and ``python -m launch job --plan FILE`` read). The profile is
+measured here, on ``--device``, on synthetic room-like samples (``--sample-voxels``), or read
+from ``--profile FILE``. Every step time is a prediction of the cost model; the header says so,
+and says when the plan is for more ranks than this machine has (an extrapolation).
+Exit status 2 with one line on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+__all__ = ["main", "build_parser", "format_table"]
+
+PROG = "python -m sparsepipe_hpc.plan"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(t) for t in text.replace("x", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be integers like 64,64,32; got {text!r}") \
+            from None
+    if min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {text!r}")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--measure-machine", action="store_true", help="ping-pong between ranks (run under "
+      "mpirun, 2+ ranks) and print a machine TOML on rank 0")
+    a("--model", choices=("unet", "resnet"), default="unet")
+    a("--width", type=int, default=16)
+    a("--depth", type=int, default=3)
+    a("--in-channels", type=int, default=3)
+    a("--classes", type=int, default=8)
+    a("--engine", default="auto", choices=("auto", "torch", "spconv"))
+    a("--device", default="cpu", help="device to profile on (cpu, cuda)")
+    a("--ranks", type=int, help="ranks to plan for (default: the machine file's)")
+    a("--machine", metavar="FILE", help="machine TOML/JSON (--measure-machine writes one)")
+    a("--device-speed", metavar="S,S,...", help="relative speed per rank, or one for all")
+    a("--device-memory", metavar="B,B,...", help="bytes per rank, or one for all")
+    a("--ranks-per-node", type=int, help="default: the machine file's, else all on one node")
+    a("--batch-size", type=int, default=4, help="global samples per step (default 4)")
+    a("--sample-voxels", type=int, default=20000, help="voxels of the synthetic profile "
+      "sample; profiled at 1/2, 1 and 3/2 of it (default 20000)")
+    a("--voxels-per-sample", type=float, help="predict for samples of this many voxels "
+      "(default: the profile's)")
+    a("--extent", type=_ints, metavar="X,Y,Z", help="grid extent in voxels for the prediction "
+      "(default: the profile's)")
+    a("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    a("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    a("--imbalance", type=float, default=1.0, help="largest box / mean box (default 1)")
+    a("--max-micro-batches", type=int)
+    a("--repeats", type=int, default=3, help="timing repeats per block (median)")
+    a("--profile", metavar="FILE", help="read the profile instead of measuring it")
+    a("--profile-out", metavar="FILE", help="write the measured profile (JSON)")
+    a("--top", type=int, default=5, help="runners-up to show (default 5)")
+    a("--json", metavar="FILE", help="write the chosen plan and runners-up as JSON")
+    return p
+
+
+def _machine(args: argparse.Namespace) -> Any:
+    from sparsepipe_hpc.plan.machine import Machine, load_machine
+
+    if args.machine:
+        m = load_machine(args.machine)
+        if args.device_speed or args.device_memory:
+            m = Machine.build(
+                _vals(args.device_speed, [d.speed for d in m.devices], args.ranks),
+                _vals(args.device_memory, [d.memory for d in m.devices], args.ranks),
+                args.ranks_per_node or m.ranks_per_node, m.intra, m.inter, m.measured)
+        return m.resized(args.ranks) if args.ranks else m
+    if not args.ranks:
+        raise ValueError("--ranks is required without --machine; pass --ranks N")
+    return Machine.from_options(args.ranks, args.device_speed or 1.0,
+                                args.device_memory or float("inf"),
+                                args.ranks_per_node or args.ranks)
+
+
+def _vals(text: Optional[str], current: list[float], ranks: Optional[int]) -> list[float]:
+    from sparsepipe_hpc.plan.machine import parse_numbers
+    n = ranks or len(current)
+    return parse_numbers("--device-speed/--device-memory", text, n) if text else \
+        (current if len(current) == n else current[:1] * n)
+
+
+def _profile(args: argparse.Namespace) -> Any:
+    from sparsepipe_hpc.plan.profile import ModelProfile, profile_model, synthetic_batch
+
+    if args.profile:
+        try:
+            text = Path(args.profile).read_text()
+        except OSError as e:
+            raise ValueError(f"--profile {args.profile}: cannot be read ({e.strerror})") from None
+        return ModelProfile.from_json(text)
+    import torch
+
+    from sparsepipe_hpc.nn import build_model
+    torch.manual_seed(0)
+    model = build_model(args.model, args.in_channels, args.classes, width=args.width,
+                        depth=args.depth, engine=args.engine).to(args.device)
+    v = args.sample_voxels
+    batches = [synthetic_batch(n, args.in_channels, multiple=model.total_stride, seed=k)
+               for k, n in enumerate((v // 2, v, 3 * v // 2))]
+    batches = [b.replace(coords=b.coords.to(args.device), feats=b.feats.to(args.device))
+               for b in batches]
+    prof = profile_model(model, batches, repeats=args.repeats, name=args.model)
+    if args.profile_out:
+        Path(args.profile_out).write_text(prof.to_json())
+    return prof
+
+
+def _local_ranks(device: str) -> int:
+    """How many ranks this machine can run at once: its GPUs, or its CPU cores."""
+    if device.startswith("cuda"):
+        import torch
+        return max(1, torch.cuda.device_count())
+    return os.cpu_count() or 1
+
+
+def _mib(b: float) -> str:
+    return "inf" if b == float("inf") else f"{b / 2**20:.1f}"
+
+
+def format_table(plans: Sequence[Any]) -> str:
+    """The chosen plan and runners-up as an aligned text table (seconds per step, MiB)."""
+    head = ("#", "replicas", "stages", "grid", "micro", "balance", "step s", "compute s",
+            "halo s", "transfer s", "allreduce s", "mem MiB")
+    rows = [head]
+    for k, p in enumerate(plans):
+        rows.append((str(k) if k else "chosen", str(p.replicas), str(p.stages),
+                     "x".join(map(str, p.grid)), str(p.micro_batches),
+                     ",".join(map(str, p.balance)), f"{p.step_time:.4g}",
+                     f"{max(p.compute):.3g}", f"{max(p.halo):.3g}", f"{max(p.transfer):.3g}",
+                     f"{max(p.allreduce):.3g}", _mib(max(p.memory))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def _measure() -> int:
+    from mpi4py import MPI
+
+    from sparsepipe_hpc.plan.machine import measure_links
+    m = measure_links(MPI.COMM_WORLD)
+    if m is not None:
+        sys.stdout.write(m.to_toml())
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from sparsepipe_hpc.plan.search import search
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.measure_machine:
+            return _measure()
+        machine = _machine(args)
+        prof = _profile(args)
+        res = search(prof, machine, args.batch_size, ranks=args.ranks, schedule=args.schedule,
+                     imbalance=args.imbalance, optimizer=args.optimizer,
+                     max_micro_batches=args.max_micro_batches,
+                     voxels_per_sample=args.voxels_per_sample, extent=args.extent)
+    except (ValueError, OSError) as e:   # MachineError, ProfileError, SearchError, PartitionError
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    n = args.ranks or machine.ranks
+    here = _local_ranks(args.device)
+    vps = args.voxels_per_sample or prof.voxels_per_sample
+    print(f"model {prof.name}: {len(prof.blocks)} blocks, profiled on {prof.device} at "
+          f"{', '.join(map(str, prof.sizes))} voxels; batch {args.batch_size} x {vps:.0f} "
+          f"voxels/sample; machine {'measured' if machine.measured else 'assumed'} "
+          f"({machine.ranks_per_node} ranks/node)")
+    label = ("PREDICTED (cost model)" if n <= here else
+             f"PREDICTED for {n} ranks, extrapolated beyond this machine's {here}")
+    print(f"{len(res.plans)} plans on {n} ranks; step times {label}:")
+    shown = list(res.plans[:1 + args.top])
+    print(format_table(shown))
+    best = res.plans[0]
+    print(f"train with: {' '.join(best.trainer_args())}")
+    if args.json:
+        doc = {"predicted": True, "extrapolated": n > here, "ranks": n,
+               "profile_device": prof.device, "machine": machine.to_dict(),
+               "rejected": res.rejected,
+               "plans": [p.to_dict(machine) for p in shown]}
+        Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
+    return 0

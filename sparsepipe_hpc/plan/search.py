@@ -1,0 +1,273 @@
+"""Search over replicas x stages x grid x stage partition x micro-batches: plans ranked by time.
+
+    from sparsepipe_hpc.plan.machine import Machine
+    from sparsepipe_hpc.plan.search import search
+    plans = search(profile, Machine.uniform(8, ranks_per_node=4), batch_size=8)
+    best = plans[0]
+    best.replicas, best.stages, best.grid, best.balance, best.micro_batches, best.step_time
+
+Rank layout (as :class:`sparsepipe_hpc.parallel.layout.RankLayout`): rank
+``r * S * G + s * G + i`` is spatial rank ``i`` of stage ``s`` of replica ``r``. A stage runs at
+the speed of its slowest rank and within its smallest memory (all its ranks move in lock step),
+and rank ``i`` of stage ``s`` sends to rank ``i`` of stage ``s + 1``.
+
+Predicted step time of a candidate (every term in seconds; formulas in
+:mod:`sparsepipe_hpc.plan.cost`, the partition in :mod:`sparsepipe_hpc.plan.partition`)::
+
+    local batch     n = batch_size / R samples per replica, in m micro-batches of
+                    ceil(n / m) samples: V = ceil(n / m) * voxels_per_sample input voxels
+    busiest box     v = V * largest_share(grid, imbalance)
+    block b         time_b = fwd_b(v) + bwd_b(v) + halo_time(halo_bytes(h_b, V, E, grid))
+    stage [i, j)    + the kernel maps made before block i that it uses, rebuilt once per
+                    micro-batch (ModelProfile.rebuild_costs at v voxels; pipelines only)
+                    out_bytes_b(V) * share, act_bytes_b(v), param_bytes_b * optimizer_factor
+    partition       the exact least-bottleneck split (partition_stages) over the S stage devices
+                    with the stage links and the schedule's in-flight micro-batches
+    step            sum_s t_s + (m - 1) max_s t_s + max_s ring_allreduce(params_s, R * G ranks)
+                    + max_s update_s / speed_s    (the optimizer step, once per step)
+
+Candidates: every ``R * S * G == ranks`` with ``S <= blocks``, every grid of ``G`` whose boxes
+hold one stride block each (``g_a <= E_a / total_stride``), every ``m`` in
+1, 2, 4, ... and ``n`` up to ``n`` (or ``max_micro_batches``); ``batch_size % R == 0``. Plans that
+fit no partition in memory are left out (counted in :attr:`SearchResult.rejected`). The first plan
+is the fastest; ties go to fewer stages, then fewer micro-batches, then more replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+from sparsepipe_hpc.plan.cost import (OPTIMIZER_FACTOR, Link, halo_bytes, halo_time,
+                                      largest_share, ring_allreduce_time)
+from sparsepipe_hpc.plan.machine import Machine
+from sparsepipe_hpc.plan.partition import (Block, Device, PartitionError, inflight_1f1b,
+                                           inflight_gpipe, partition_stages)
+from sparsepipe_hpc.plan.profile import ModelProfile
+
+__all__ = ["Plan", "SearchResult", "SearchError", "search", "evaluate", "grids", "divisors"]
+
+
+class SearchError(ValueError):
+    """No plan fits, or the search's inputs break a rule."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate and its prediction (seconds, bytes)."""
+
+    replicas: int
+    stages: int
+    grid: tuple[int, int, int]
+    micro_batches: int
+    balance: tuple[int, ...]
+    pipeline_schedule: str
+    step_time: float
+    stage_times: tuple[float, ...]
+    compute: tuple[float, ...]
+    transfer: tuple[float, ...]
+    halo: tuple[float, ...]
+    allreduce: tuple[float, ...]
+    update: tuple[float, ...]
+    memory: tuple[float, ...]
+    voxels_per_rank: float
+
+    @property
+    def ranks(self) -> int:
+        return self.replicas * self.stages * math.prod(self.grid)
+
+    def trainer_args(self) -> list[str]:
+        """The trainer options this plan sets."""
+        args = ["--replicas", str(self.replicas), "--grid", ",".join(map(str, self.grid))]
+        if self.stages > 1 or self.micro_batches > 1:
+            args += ["--stages", str(self.stages), "--micro-batches", str(self.micro_batches),
+                     "--pipeline-schedule", self.pipeline_schedule]
+        if self.stages > 1:
+            args += ["--balance", ",".join(map(str, self.balance))]
+        return args
+
+    def to_dict(self, machine: Optional[Machine] = None) -> dict[str, Any]:
+        d = asdict(self)
+        d["grid"] = list(self.grid)
+        d["ranks"] = self.ranks
+        if machine is not None:   # what `python -m launch job --plan` needs
+            per = min(machine.ranks_per_node, self.ranks)
+            d.update(nodes=-(-self.ranks // per), gpus_per_node=per)
+        return d
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    plans: tuple[Plan, ...]
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def grids(ranks: int, extent: Sequence[int] = (0, 0, 0), stride: int = 1
+          ) -> Iterator[tuple[int, int, int]]:
+    """Every ``(gx, gy, gz)`` with product ``ranks`` and (for a known extent) boxes at least one
+    stride block wide: ``g_a <= extent_a // stride``."""
+    for gx in divisors(ranks):
+        for gy in divisors(ranks // gx):
+            g = (gx, gy, ranks // gx // gy)
+            if all(e <= 0 or ga <= max(1, e // stride) for ga, e in zip(g, extent)):
+                yield g
+
+
+def _micro_counts(local: int, limit: Optional[int]) -> list[int]:
+    top = min(local, limit or local)
+    ms = {1, top}
+    k = 2
+    while k < top:
+        ms.add(k)
+        k *= 2
+    return sorted(ms)
+
+
+def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int,
+             grid: Sequence[int], micro_batches: int, batch_size: int,
+             schedule: str = "1f1b", imbalance: float = 1.0, optimizer: str = "adamw",
+             voxels_per_sample: Optional[float] = None,
+             extent: Optional[Sequence[int]] = None,
+             balance: Optional[Sequence[int]] = None) -> Plan:
+    """Predict one candidate (see the module); raises PartitionError when nothing fits memory.
+
+    balance: a fixed partition (blocks per stage) instead of the exact search's.
+    """
+    g = (int(grid[0]), int(grid[1]), int(grid[2]))
+    G = math.prod(g)
+    ranks = replicas * stages * G
+    if ranks > machine.ranks:
+        raise SearchError(f"the plan uses {ranks} ranks but the machine has {machine.ranks}")
+    if batch_size % replicas:
+        raise SearchError(f"batch_size {batch_size} does not split over {replicas} replicas")
+    local = batch_size // replicas
+    if not 1 <= micro_batches <= local:
+        raise SearchError(f"micro_batches {micro_batches} must be in 1..{local} (samples per "
+                          f"replica)")
+    vps = voxels_per_sample or profile.voxels_per_sample
+    ext = tuple(extent or profile.extent)
+    V = -(-local // micro_batches) * vps
+    share = largest_share(g, imbalance)
+    v = V * share
+
+    def rank(r: int, s: int, i: int) -> int:
+        return r * stages * G + s * G + i
+
+    devs, links = [], []
+    for s in range(stages):
+        members = [machine.devices[rank(r, s, i)] for r in range(replicas) for i in range(G)]
+        devs.append(Device(speed=min(d.speed for d in members),
+                           memory=min(d.memory for d in members), node=members[0].node,
+                           name=f"stage {s}"))
+        if s + 1 < stages:
+            pair = [machine.link(machine.devices[rank(r, s, i)], machine.devices[rank(r, s + 1, i)])
+                    for r in range(replicas) for i in range(G)]
+            links.append(max(pair, key=lambda ln: (ln.beta, ln.alpha)))
+    group_links = []
+    for s in range(stages):
+        group_links.append(machine.group_link([rank(r, s, i) for r in range(replicas)
+                                               for i in range(G)]))
+    spatial_link = max((machine.group_link([rank(r, s, i) for i in range(G)])
+                        for r in range(replicas) for s in range(stages)),
+                       key=lambda ln: (ln.beta, ln.alpha))
+    factor = OPTIMIZER_FACTOR[optimizer]
+    halos = [halo_time(halo_bytes(b.halo, V, ext, g), b.exchanges, g, spatial_link)
+             for b in profile.blocks]
+    blocks = [Block(time=b.time(v) + h, out_bytes=b.out_bytes(V) * share,
+                    param_bytes=b.param_bytes * factor, act_bytes=b.act_bytes(v), name=b.name)
+              for b, h in zip(profile.blocks, halos)]
+    inflight = inflight_gpipe if schedule == "gpipe" else inflight_1f1b
+    rebuild = profile.rebuild_costs(v) if stages > 1 else None
+    if balance is not None:
+        if len(balance) != stages or sum(balance) != len(blocks) or min(balance) < 1:
+            raise SearchError(f"balance {tuple(balance)} must give {stages} positive block "
+                              f"counts summing to the model's {len(blocks)} blocks")
+        bounds = [0]
+        for n in balance:
+            bounds.append(bounds[-1] + int(n))
+        # A fixed partition: the DP over exactly these boundaries (one choice per stage).
+        p = partition_stages([Block(time=sum(bl.time for bl in blocks[a:b]),
+                                    out_bytes=blocks[b - 1].out_bytes,
+                                    param_bytes=sum(bl.param_bytes for bl in blocks[a:b]),
+                                    act_bytes=sum(bl.act_bytes for bl in blocks[a:b]))
+                              for a, b in zip(bounds[:-1], bounds[1:])],
+                             devs, links or Link(), micro_batches, inflight,
+                             None if rebuild is None else rebuild[np.ix_(bounds, bounds)])
+        bal = tuple(int(n) for n in balance)
+        halo_s = [sum(halos[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    else:
+        p = partition_stages(blocks, devs, links or Link(), micro_batches, inflight, rebuild)
+        bal = tuple(b - a for a, b in zip(p.bounds[:-1], p.bounds[1:]))
+        halo_s = [sum(halos[a:b]) for a, b in zip(p.bounds[:-1], p.bounds[1:])]
+        bounds = list(p.bounds)
+    weights = [sum(b.param_bytes for b in profile.blocks[a:c])
+               for a, c in zip(bounds[:-1], bounds[1:])]
+    ar = tuple(ring_allreduce_time(w, replicas * G, ln) for w, ln in zip(weights, group_links))
+    upd = tuple(sum(b.update for b in profile.blocks[a:c]) / d.speed
+                for a, c, d in zip(bounds[:-1], bounds[1:], devs))
+    return Plan(replicas=replicas, stages=stages, grid=g, micro_batches=micro_batches,
+                balance=bal, pipeline_schedule=schedule,
+                step_time=p.step_time() + max(ar) + max(upd), stage_times=p.times,
+                compute=tuple(c - h / d.speed for c, h, d in zip(p.compute, halo_s, devs)),
+                transfer=p.transfer, halo=tuple(h / d.speed for h, d in zip(halo_s, devs)),
+                allreduce=ar, update=upd, memory=p.memory, voxels_per_rank=v)
+
+
+def search(profile: ModelProfile, machine: Machine, batch_size: int,
+           ranks: Optional[int] = None, schedule: str = "1f1b", imbalance: float = 1.0,
+           optimizer: str = "adamw", max_micro_batches: Optional[int] = None,
+           voxels_per_sample: Optional[float] = None, extent: Optional[Sequence[int]] = None,
+           fixed: Optional[dict[str, Any]] = None, max_batch: int = 256) -> SearchResult:
+    """Every candidate of the module docstring on ``ranks`` (default: the machine's), fastest
+    first. fixed: layout values to keep (``replicas``, ``stages``, ``grid``, ``micro_batches``,
+    ``balance``), e.g. the options a user set. Raises :class:`SearchError` when none fits."""
+    n = ranks or machine.ranks
+    if n < 1 or n > machine.ranks:
+        raise SearchError(f"ranks is {n}; it must be in 1..{machine.ranks} (the machine's ranks)")
+    if batch_size < 1:
+        raise SearchError(f"batch_size is {batch_size}; it must be >= 1")
+    if optimizer not in OPTIMIZER_FACTOR:
+        raise SearchError(f"optimizer {optimizer!r} must be one of {sorted(OPTIMIZER_FACTOR)}")
+    fixed = dict(fixed or {})
+    ext = tuple(extent or profile.extent)
+    plans: list[Plan] = []
+    rejected: dict[str, int] = {}
+    nblocks = len(profile.blocks)
+    for R in divisors(n):
+        if batch_size % R or batch_size // R > max_batch or fixed.get("replicas", R) != R:
+            continue
+        local = batch_size // R
+        for S in divisors(n // R):
+            if S > nblocks or fixed.get("stages", S) != S:
+                continue
+            for g in grids(n // R // S, ext, profile.total_stride):
+                if tuple(fixed.get("grid", g)) != g:
+                    continue
+                ms = [fixed["micro_batches"]] if "micro_batches" in fixed else \
+                    _micro_counts(local, max_micro_batches)
+                for m in ms:
+                    if m > local:
+                        continue
+                    try:
+                        plans.append(evaluate(profile, machine, R, S, g, m, batch_size, schedule,
+                                              imbalance, optimizer, voxels_per_sample, ext,
+                                              fixed.get("balance") if S > 1 else None))
+                    except PartitionError as e:
+                        key = str(e).split(";")[0][:120]
+                        rejected[key] = rejected.get(key, 0) + 1
+    if not plans:
+        why = "; ".join(f"{k} (x{c})" for k, c in list(rejected.items())[:3]) or (
+            f"no layout of {n} ranks fits batch_size {batch_size}, {nblocks} blocks and the "
+            f"fixed values {fixed}")
+        raise SearchError(f"no plan fits {n} ranks: {why}; add ranks or memory, or lower "
+                          f"--batch-size")
+    plans.sort(key=lambda p: (p.step_time, p.stages, p.micro_batches, -p.replicas,
+                              p.grid[::-1]))
+    return SearchResult(tuple(plans), rejected)

@@ -1,0 +1,153 @@
+"""Plan search: hand-computed predictions, a known optimum, memory limits, unequal devices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sparsepipe_hpc.plan.cost import Link, pipeline_step_time, ring_allreduce_time
+from sparsepipe_hpc.plan.machine import Machine
+from sparsepipe_hpc.plan.profile import BlockProfile, Fit, ModelProfile
+from sparsepipe_hpc.plan.search import SearchError, evaluate, grids, search
+
+LINK = Link(alpha=1e-4, beta=1e-9)
+
+
+def profile(times=(1.0, 1.0, 1.0, 1.0), fixed=0.0, params=1000.0, act=0.0, out=0.0, halo=0.0):
+    """Blocks whose forward takes fixed + t * voxels / 1000 s and backward as long again."""
+    blocks = tuple(BlockProfile(name=f"b{k}", forward=Fit(fixed, t / 1000),
+                                backward=Fit(fixed, t / 1000), act_bytes=Fit(0.0, act),
+                                out_bytes=Fit(0.0, out), param_bytes=params,
+                                halo=(halo, halo, halo), exchanges=1 if halo else 0)
+                   for k, t in enumerate(times))
+    return ModelProfile(name="toy", device="cpu", blocks=blocks, voxels_per_sample=1000.0,
+                        extent=(64, 64, 64), total_stride=8, in_channels=3)
+
+
+def test_grids_enumerate_factorizations_with_stride_blocks():
+    assert sorted(grids(4)) == sorted([(1, 1, 4), (1, 4, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2),
+                                       (2, 2, 1)])
+    assert sorted(grids(4, extent=(64, 16, 8), stride=8)) == [(2, 2, 1), (4, 1, 1)]
+
+
+def test_evaluate_by_hand_data_parallel():
+    prof = profile()
+    m = Machine.uniform(2, 2, intra=LINK, inter=LINK)
+    p = evaluate(prof, m, replicas=2, stages=1, grid=(1, 1, 1), micro_batches=1, batch_size=4)
+    # 2 samples per replica: 2000 voxels; each block 2 * 2 s; all-reduce of 4 * 1000 bytes.
+    compute = 4 * 2 * 2.0
+    assert p.stage_times == pytest.approx((compute,))
+    assert p.step_time == pytest.approx(compute + ring_allreduce_time(4000, 2, LINK))
+    assert p.memory == pytest.approx((4 * 1000 * 4,))   # weights x AdamW's factor 4
+
+
+def test_evaluate_by_hand_pipeline_with_transfers():
+    prof = profile(times=(1.0, 2.0, 3.0, 2.0), out=10.0)
+    m = Machine.uniform(2, 2, intra=LINK, inter=LINK)
+    p = evaluate(prof, m, replicas=1, stages=2, grid=(1, 1, 1), micro_batches=4, batch_size=4)
+    # One sample per micro-batch (1000 voxels); fwd + bwd = 2 * t; best split (1,2 | 3,2).
+    assert p.balance == (2, 2)
+    xfer = 2 * LINK.time(10.0 * 1000)
+    times = (6.0 + xfer, 10.0 + xfer)
+    assert p.stage_times == pytest.approx(times)
+    assert p.step_time == pytest.approx(pipeline_step_time(times, 4)
+                                        + ring_allreduce_time(4 * 2000, 1, LINK))
+
+
+def test_spatial_split_divides_voxels_and_adds_halo():
+    prof = profile(halo=4.0)
+    m = Machine.uniform(2, 2, intra=LINK, inter=LINK)
+    p = evaluate(prof, m, replicas=1, stages=1, grid=(2, 1, 1), micro_batches=1, batch_size=1)
+    assert p.voxels_per_rank == 500
+    # halo: one inner face, g_x / G = 1 of the cross-section, V / E_x = 1000 / 64 voxels per layer.
+    per_block = 2 * (1 * 26 ** 0 * 2 * LINK.alpha + LINK.beta * (1000 / 64) * 4.0)
+    assert p.halo == pytest.approx((4 * per_block,))
+    assert p.compute == pytest.approx((4 * 1.0,))
+
+
+def test_known_optimum_fixed_costs_favour_data_parallel():
+    # A large per-call cost that no split shrinks: replicas (one sample each) beat spatial boxes
+    # and pipelines; with the per-voxel cost dominant instead, every layout ties on compute and
+    # the all-reduce decides.
+    prof = profile(fixed=1.0, params=1e6)
+    m = Machine.uniform(4, 4, intra=LINK, inter=LINK)
+    best = search(prof, m, batch_size=4).plans[0]
+    assert (best.replicas, best.stages, best.grid, best.micro_batches) == (4, 1, (1, 1, 1), 1)
+    # Expected: 4 blocks x 2 x (1 + 1) s + the all-reduce of 4 MB over 4 ranks.
+    assert best.step_time == pytest.approx(16.0 + ring_allreduce_time(4e6, 4, LINK))
+    ranked = search(prof, m, batch_size=4).plans
+    assert [p.step_time for p in ranked] == sorted(p.step_time for p in ranked)
+
+
+def test_memory_limit_excludes_plans_and_forces_stages():
+    prof = profile(params=1e6)            # 4 MB of state per block: 16 MB for the model
+    m = Machine.uniform(4, 4, memory=9e6, intra=LINK, inter=LINK)
+    res = search(prof, m, batch_size=4)
+    assert all(p.stages >= 2 for p in res.plans)
+    assert all(max(p.memory) <= 9e6 for p in res.plans)
+    assert res.rejected
+    with pytest.raises(SearchError, match="no plan fits 4 ranks"):
+        search(prof, Machine.uniform(4, 4, memory=3e6), batch_size=4)
+
+
+def test_unequal_devices_change_the_partition():
+    prof = profile(times=(1.0, 1.0, 1.0, 1.0))
+    even = search(prof, Machine.uniform(2, 2, intra=LINK, inter=LINK), batch_size=2,
+                  fixed={"stages": 2, "micro_batches": 2}).plans[0]
+    assert even.balance == (2, 2)
+    slow = Machine.from_options(2, "1,0.5", ranks_per_node=2, intra=LINK, inter=LINK)
+    het = search(prof, slow, batch_size=2, fixed={"stages": 2, "micro_batches": 2}).plans[0]
+    assert het.balance == (3, 1)
+    forced = evaluate(prof, slow, 1, 2, (1, 1, 1), 2, 2, balance=(2, 2))
+    assert het.step_time < forced.step_time
+    assert max(forced.stage_times) == pytest.approx(2 * 2 / 0.5 + 2 * LINK.alpha)
+
+
+def test_fixed_values_and_bad_inputs():
+    prof = profile()
+    m = Machine.uniform(4, 4)
+    res = search(prof, m, batch_size=4, fixed={"grid": (2, 1, 1)})
+    assert {p.grid for p in res.plans} == {(2, 1, 1)}
+    with pytest.raises(SearchError, match="ranks is 8"):
+        search(prof, m, batch_size=4, ranks=8)
+    with pytest.raises(SearchError, match="balance"):
+        evaluate(prof, m, 1, 2, (1, 1, 1), 1, 4, balance=(1, 2))
+    assert math.isfinite(search(prof, m, batch_size=3).plans[0].step_time)  # 3 samples: R in {1}
+
+
+def test_optimizer_update_counts_once_per_step():
+    import dataclasses
+    prof = profile()
+    slow = dataclasses.replace(prof, blocks=tuple(dataclasses.replace(b, update=0.5)
+                                                  for b in prof.blocks))
+    m = Machine.uniform(1, 1, intra=LINK, inter=LINK)
+    for mb in (1, 4):
+        a = evaluate(prof, m, 1, 1, (1, 1, 1), mb, 4)
+        b = evaluate(slow, m, 1, 1, (1, 1, 1), mb, 4)
+        assert b.step_time - a.step_time == pytest.approx(4 * 0.5)
+        assert b.update == (2.0,)
+
+
+def test_stages_pay_for_kernel_maps_made_before_them():
+    import dataclasses
+
+    import numpy as np
+
+    from sparsepipe_hpc.plan.profile import KmapProfile
+    km = (KmapProfile("enc", creator=0, users=(3,), build=Fit(5.0, 0.0)),
+          KmapProfile("mid", creator=1, users=(2, 3), build=Fit(1.0, 0.0)))
+    prof = dataclasses.replace(profile(), kmaps=km)
+    r = prof.rebuild_costs(1000.0)
+    # A stage starting at block 2 uses "mid" (made by block 1) from block 2 on and "enc" at 3.
+    assert r[2, 3] == 1.0 and r[2, 4] == 6.0 and r[3, 4] == 6.0 and r[1, 4] == 5.0
+    assert np.all(r[0] == 0) and r[1, 3] == 0.0
+    m = Machine.uniform(2, 2, intra=LINK, inter=LINK)
+    plain = evaluate(profile(), m, 1, 2, (1, 1, 1), 1, 1)
+    paid = evaluate(prof, m, 1, 2, (1, 1, 1), 1, 1)
+    assert plain.balance == (2, 2) and paid.balance == (3, 1)
+    assert paid.stage_times[1] == pytest.approx(2.0 + 6.0 + 2 * LINK.alpha)
+    fixed = evaluate(prof, m, 1, 2, (1, 1, 1), 1, 1, balance=(2, 2))
+    assert fixed.stage_times[1] == pytest.approx(4.0 + 6.0 + 2 * LINK.alpha)
+    one_stage = evaluate(prof, m, 2, 1, (1, 1, 1), 1, 2)   # no pipeline: nothing is rebuilt
+    assert one_stage.stage_times == pytest.approx((8.0,))
