@@ -33,34 +33,9 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
+from sparsepipe_hpc.data.floor import write_floor
 
 __all__ = ["main", "write_floor"]
-
-
-def write_floor(path: str | Path, points: int, seed: int = 0, rooms_x: int = 2,
-                rooms_y: int = 2) -> Path:
-    """A floor of ``rooms_x x rooms_y`` rooms of about 4 x 4 x 2.5 m, 0.5 m apart, ``points``
-    points in all (at least a few thousand per room), as one scene of the scene layout
-    (:mod:`sparsepipe_hpc.data.scenes`)."""
-    from sparsepipe_hpc.data.scenes import write_scenes
-    from sparsepipe_hpc.data.synth import SEG_CLASSES, make_room
-
-    rng = np.random.default_rng(seed)
-    per = points // (rooms_x * rooms_y)
-    xyz, rgb, lab = [], [], []
-    for i in range(rooms_x):
-        for j in range(rooms_y):
-            n = per if (i, j) != (rooms_x - 1, rooms_y - 1) else points - per * (rooms_x * rooms_y - 1)
-            p, c, l = make_room(rng, size=(4.0, 4.0, 2.5), points=(n, n))
-            if len(p) > n:  # small rooms get a minimum of points per object: thin them to n
-                keep = np.sort(rng.choice(len(p), n, replace=False))
-                p, c, l = p[keep], c[keep], l[keep]
-            xyz.append(p + np.array([4.5 * i, 4.5 * j, 0.0], np.float32))
-            rgb.append(c)
-            lab.append(l)
-    return write_scenes(path, [("floor", np.concatenate(xyz), np.concatenate(rgb),
-                                np.concatenate(lab))], class_names=SEG_CLASSES)
 
 
 def _peak_mib() -> float:
