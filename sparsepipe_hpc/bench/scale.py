@@ -3,14 +3,16 @@
     python -m sparsepipe_hpc.bench scale --json scale.json            # starts mpirun itself
     python -m sparsepipe_hpc.bench scale --points 8000000 --ranks 1 2 4 --step
 
-One large synthetic scene (a floor of furnished rooms from :func:`sparsepipe_hpc.data.synth.make_room`,
-``--points`` in all) is written to a temporary HDF5 file; then, for every rank count ``n`` and both
-input paths, ``mpirun -n n`` runs a worker on an ``n x 1 x 1`` spatial grid:
+One large synthetic scene (a floor of furnished rooms, :func:`sparsepipe_hpc.data.floor.write_floor`,
+``--points`` in all) is written to a temporary HDF5 file, in the chunked layout
+(``--chunk-size`` metres, default 0.5; 0: the plain point-range layout); then, for every rank
+count ``n`` and both input paths, ``mpirun -n n`` runs a worker on an ``n x 1 x 1`` spatial grid:
 
   whole        what the trainer does today: every rank reads, augments and voxelizes the whole
                sample (``collate``), then keeps its box (``ctx.distribute``)
-  distributed  :func:`sparsepipe_hpc.parallel.input.read_distributed`: each rank reads its
-               hyperslab, voxels move to their owners
+  distributed  :func:`sparsepipe_hpc.parallel.input.read_distributed`: each rank reads the
+               chunks near its box (chunked layout) or its hyperslab (point ranges; voxels
+               then move to their owners); ``points_read`` per rank says how many rows
 
 Per rank: peak resident memory (``ru_maxrss``, MiB) at the end, before the first input (imports,
 MPI) and right after it (its difference to the one before: the input's own peak), and the median
@@ -65,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     net = SparseUNet(ds.in_channels, ds.num_classes, width=args.width, depth=args.depth) \
         if args.step else None
     before = _peak_mib()
-    input_s, step_s, voxels, after_input = [], [], 0, 0.0
+    input_s, step_s, voxels, after_input, points_read = [], [], 0, 0.0, 0
     for r in range(args.repeats):
         gens = batches.sample_generators([0], r)
         world.Barrier()
@@ -78,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
         else:
             b = read_distributed(ctx, ds, [0], args.voxel_size, origin, shape, generators=gens,
                                  align=align)
-            x, labels = b.x, b.labels
+            x, labels, points_read = b.x, b.labels, b.points_read
             del b
         input_s.append(time.perf_counter() - t)
         if r == 0:  # ru_maxrss only grows: read the input's peak before any step raises it
@@ -97,6 +99,7 @@ def worker(args: argparse.Namespace) -> None:
     mine = {"rank": world.Get_rank(), "peak_rss_mib": _peak_mib(), "rss_before_input_mib": before,
             "peak_rss_after_input_mib": after_input,
             "input_s": statistics.median(input_s), "voxels": voxels,
+            "points_read": points_read if args.mode == "distributed" else int(ds.sizes[0]),
             "step_s": statistics.median(step_s) if step_s else None}
     every = world.gather(mine)
     if world.Get_rank() == 0:
@@ -144,7 +147,8 @@ def _summary(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
                                                 - r["rss_before_input_mib"] for r in pr),
                        "max_input_s": max(r["input_s"] for r in pr),
                        "max_step_s": max((r["step_s"] or 0.0) for r in pr) or None,
-                       "voxels_per_rank": [r["voxels"] for r in pr]}
+                       "voxels_per_rank": [r["voxels"] for r in pr],
+                       "points_read_per_rank": [r.get("points_read") for r in pr]}
         lo, hi = min(rows), max(rows)
         rows_any: dict[str, Any] = {str(k): v for k, v in rows.items()}
         rows_any["peak_ratio_%d_over_%d" % (hi, lo)] = (rows[hi]["max_peak_rss_mib"]
@@ -171,6 +175,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--voxel-size", type=float, default=0.02)
+    p.add_argument("--chunk-size", type=float, default=0.5,
+                   help="metres per chunk of the scene's chunked layout; 0: point-range layout")
+    p.add_argument("--rooms", type=int, nargs=2, default=(2, 2), metavar=("X", "Y"),
+                   help="rooms of the floor along x and y")
     p.add_argument("--modes", nargs="+", choices=["whole", "distributed"],
                    default=["whole", "distributed"], help="input paths to measure")
     p.add_argument("--whole-max-ranks", type=int, default=1 << 30,
@@ -191,8 +199,11 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="sparsepipe-scale-") as d:
         tmp = Path(d)
         t = time.perf_counter()
-        scene = write_floor(tmp / "floor.h5", args.points)
-        print(f"scene: {args.points} points, {scene.stat().st_size / 2**20:.0f} MiB on disk "
+        scene = write_floor(tmp / "floor.h5", args.points, rooms_x=args.rooms[0],
+                            rooms_y=args.rooms[1], chunk_size=args.chunk_size or None)
+        layout = f"chunks of {args.chunk_size} m" if args.chunk_size else "point ranges"
+        print(f"scene: {args.points} points ({layout}), "
+              f"{scene.stat().st_size / 2**20:.0f} MiB on disk "
               f"({time.perf_counter() - t:.1f} s to write)")
         runs: dict[str, dict[int, dict]] = {m: {} for m in args.modes}
         for n in args.ranks:
@@ -204,10 +215,12 @@ def main(argv: list[str]) -> None:
                 print(f"{mode:>11} n={n}: max peak RSS {max(x['peak_rss_mib'] for x in r):7.0f} "
                       f"MiB (input part {max(x['peak_rss_after_input_mib'] - x['rss_before_input_mib'] for x in r):6.0f}"
                       f" MiB), input {max(x['input_s'] for x in r):6.2f} s/step"
-                      + (f", step {max(x['step_s'] for x in r):6.2f} s" if args.step else ""))
+                      + (f", step {max(x['step_s'] for x in r):6.2f} s" if args.step else "")
+                      + f", points read per rank {[x['points_read'] for x in r]}")
         from sparsepipe_hpc.bench.common import write_json
 
         result = {"points": args.points, "voxel_size_m": args.voxel_size, "ranks": args.ranks,
+                  "chunk_size_m": args.chunk_size or None, "rooms": list(args.rooms),
                   "cpus": os.cpu_count(), "runs": {m: {str(n): v for n, v in by.items()}
                                                    for m, by in runs.items()},
                   "summary": _summary(runs)}
