@@ -57,8 +57,9 @@ from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["LocalBatch", "READ_CHUNK", "read_distributed", "point_range"]
 
-#: Points read, augmented and quantized at a time (bounds the float temporaries per rank).
-READ_CHUNK = 1 << 18
+#: Points read, augmented and quantized at a time (bounds the float temporaries per rank:
+#: about 200 bytes a point, so 64k points cost ~13 MB, 256k ~50 MB, measured at 2M points a rank).
+READ_CHUNK = 1 << 16
 
 
 @dataclass
