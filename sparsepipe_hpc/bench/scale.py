@@ -71,12 +71,13 @@ def worker(args: argparse.Namespace) -> None:
     before = _peak_mib()
     input_s, input_cpu_s, step_s, voxels, after_input, points_read = [], [], [], 0, 0.0, 0
     for r in range(args.repeats):
-        gens = batches.sample_generators([0], r)
+        gens = batches.sample_generators([0], r) if args.augment else None
         world.Barrier()
         t = time.perf_counter()
         cpu = time.process_time()
         if args.mode == "whole":
-            batch = collate([ds[0]], args.voxel_size, origin, shape, augment=True, generator=gens)
+            batch = collate([ds[0]], args.voxel_size, origin, shape, augment=args.augment,
+                            generator=gens)
             x, y = ctx.distribute(batch.x, batch.labels, align=align)
             labels = cast(torch.Tensor, y)  # distribute types every output as a SparseTensor
             del batch
@@ -129,7 +130,8 @@ def _run(n: int, scene: Path, mode: str, args: argparse.Namespace, tmp: Path) ->
     cmd += [sys.executable, "-m", "sparsepipe_hpc.bench", "scale", "--worker", str(scene),
             "--mode", mode, "--out", str(out), "--repeats", str(args.repeats),
             "--voxel-size", str(args.voxel_size), "--width", str(args.width),
-            "--depth", str(args.depth)] + (["--step"] if args.step else [])
+            "--depth", str(args.depth)] + (["--step"] if args.step else []) + \
+        ([] if args.augment else ["--no-augment"])
     proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"scale: {' '.join(cmd[:3])} ({mode}) exited {proc.returncode}\n"
@@ -194,6 +196,9 @@ def main(argv: list[str]) -> None:
                    help="run the whole-sample path only up to this many ranks (it needs the "
                         "whole sample's memory on every rank)")
     p.add_argument("--step", action="store_true", help="also time a U-Net forward+backward")
+    p.add_argument("--no-augment", dest="augment", action="store_false",
+                   help="no flips or jitter (the jitter is drawn for every row up to the last "
+                        "one a rank reads, a cost that does not fall with the ranks)")
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -231,6 +236,7 @@ def main(argv: list[str]) -> None:
 
         result = {"points": args.points, "voxel_size_m": args.voxel_size, "ranks": args.ranks,
                   "chunk_size_m": args.chunk_size or None, "rooms": list(args.rooms),
+                  "augment": args.augment,
                   "cpus": os.cpu_count(), "runs": {m: {str(n): v for n, v in by.items()}
                                                    for m, by in runs.items()},
                   "summary": _summary(runs)}
