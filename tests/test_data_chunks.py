@@ -213,3 +213,15 @@ def test_augmented_boxes_hold_the_augmented_points(seed, square, jitter):
     for k in range(len(t)):
         p = out[t.offset[k]:t.offset[k] + t.count[k]]
         assert (p >= lo[k] - 1e-12).all() and (p <= hi[k] + 1e-12).all()
+
+
+def test_synth_cli_writes_a_chunked_floor(tmp_path, capsys):
+    from sparsepipe_hpc.data.synth import main
+
+    assert main(["--out", str(tmp_path), "--task", "floor", "--floor-points", "6000",
+                 "--floor-rooms", "2", "1", "--chunk-size", "0.75"]) == 0
+    for split in ("train", "val"):
+        ds = SceneDataset(tmp_path / "floor", split)
+        t = ds.chunk_table(0)
+        assert ds.sizes[0] == 6000 and t is not None and t.chunk_size == 0.75
+    assert "wrote 2 floors of 6000 points" in capsys.readouterr().out
