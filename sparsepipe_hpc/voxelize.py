@@ -106,12 +106,12 @@ def merge_points(key: torch.Tensor, feats: torch.Tensor, labels: Optional[torch.
     """
     keys, inverse = torch.unique(key, return_inverse=True)
     n = len(keys)
-    counts = torch.zeros(n, dtype=torch.float32).index_add_(0, inverse, torch.ones(len(inverse)))
+    # Counts and votes are integers: bincount gives them without a [P] tensor of ones.
+    counts = torch.bincount(inverse, minlength=n).to(torch.float32)
     mean = torch.zeros(n, feats.shape[1]).index_add_(0, inverse, feats) / counts[:, None]
     vox_labels = None
     if labels is not None:
         k = int(num_classes)
-        votes = torch.zeros(n * k, dtype=torch.int64).index_add_(
-            0, inverse * k + labels, torch.ones_like(labels))
+        votes = torch.bincount(inverse * k + labels, minlength=n * k)
         vox_labels = votes.view(n, k).argmax(1)  # first maximum: the smallest label wins ties
     return keys, mean, inverse, vox_labels

@@ -3,18 +3,22 @@
     python -m sparsepipe_hpc.bench scale --json scale.json            # starts mpirun itself
     python -m sparsepipe_hpc.bench scale --points 8000000 --ranks 1 2 4 --step
 
-One large synthetic scene (a floor of furnished rooms from :func:`sparsepipe_hpc.data.synth.make_room`,
-``--points`` in all) is written to a temporary HDF5 file; then, for every rank count ``n`` and both
-input paths, ``mpirun -n n`` runs a worker on an ``n x 1 x 1`` spatial grid:
+One large synthetic scene (a floor of furnished rooms, :func:`sparsepipe_hpc.data.floor.write_floor`,
+``--points`` in all) is written to a temporary HDF5 file, in the chunked layout
+(``--chunk-size`` metres, default 0.5; 0: the plain point-range layout); then, for every rank
+count ``n`` and both input paths, ``mpirun -n n`` runs a worker on an ``n x 1 x 1`` spatial grid:
 
   whole        what the trainer does today: every rank reads, augments and voxelizes the whole
                sample (``collate``), then keeps its box (``ctx.distribute``)
-  distributed  :func:`sparsepipe_hpc.parallel.input.read_distributed`: each rank reads its
-               hyperslab, voxels move to their owners
+  distributed  :func:`sparsepipe_hpc.parallel.input.read_distributed`: each rank reads the
+               chunks near its box (chunked layout) or its hyperslab (point ranges; voxels
+               then move to their owners); ``points_read`` per rank says how many rows
 
 Per rank: peak resident memory (``ru_maxrss``, MiB) at the end, before the first input (imports,
 MPI) and right after it (its difference to the one before: the input's own peak), and the median
-input time per step (read + augment + voxelize + distribute); with
+input time per step (read + augment + voxelize + distribute), wall-clock and CPU (the process's
+own: on a machine with fewer cores than ranks it shows the work per rank, which wall-clock time
+cannot); with
 ``--step`` also a U-Net forward+backward on the rank's voxels. Every rank runs one compute thread;
 on a machine with fewer cores than ranks the time figures measure the machine, not the method.
 """
@@ -33,34 +37,9 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
+from sparsepipe_hpc.data.floor import write_floor
 
 __all__ = ["main", "write_floor"]
-
-
-def write_floor(path: str | Path, points: int, seed: int = 0, rooms_x: int = 2,
-                rooms_y: int = 2) -> Path:
-    """A floor of ``rooms_x x rooms_y`` rooms of about 4 x 4 x 2.5 m, 0.5 m apart, ``points``
-    points in all (at least a few thousand per room), as one scene of the scene layout
-    (:mod:`sparsepipe_hpc.data.scenes`)."""
-    from sparsepipe_hpc.data.scenes import write_scenes
-    from sparsepipe_hpc.data.synth import SEG_CLASSES, make_room
-
-    rng = np.random.default_rng(seed)
-    per = points // (rooms_x * rooms_y)
-    xyz, rgb, lab = [], [], []
-    for i in range(rooms_x):
-        for j in range(rooms_y):
-            n = per if (i, j) != (rooms_x - 1, rooms_y - 1) else points - per * (rooms_x * rooms_y - 1)
-            p, c, l = make_room(rng, size=(4.0, 4.0, 2.5), points=(n, n))
-            if len(p) > n:  # small rooms get a minimum of points per object: thin them to n
-                keep = np.sort(rng.choice(len(p), n, replace=False))
-                p, c, l = p[keep], c[keep], l[keep]
-            xyz.append(p + np.array([4.5 * i, 4.5 * j, 0.0], np.float32))
-            rgb.append(c)
-            lab.append(l)
-    return write_scenes(path, [("floor", np.concatenate(xyz), np.concatenate(rgb),
-                                np.concatenate(lab))], class_names=SEG_CLASSES)
 
 
 def _peak_mib() -> float:
@@ -90,22 +69,25 @@ def worker(args: argparse.Namespace) -> None:
     net = SparseUNet(ds.in_channels, ds.num_classes, width=args.width, depth=args.depth) \
         if args.step else None
     before = _peak_mib()
-    input_s, step_s, voxels, after_input = [], [], 0, 0.0
+    input_s, input_cpu_s, step_s, voxels, after_input, points_read = [], [], [], 0, 0.0, 0
     for r in range(args.repeats):
-        gens = batches.sample_generators([0], r)
+        gens = batches.sample_generators([0], r) if args.augment else None
         world.Barrier()
         t = time.perf_counter()
+        cpu = time.process_time()
         if args.mode == "whole":
-            batch = collate([ds[0]], args.voxel_size, origin, shape, augment=True, generator=gens)
+            batch = collate([ds[0]], args.voxel_size, origin, shape, augment=args.augment,
+                            generator=gens)
             x, y = ctx.distribute(batch.x, batch.labels, align=align)
             labels = cast(torch.Tensor, y)  # distribute types every output as a SparseTensor
             del batch
         else:
             b = read_distributed(ctx, ds, [0], args.voxel_size, origin, shape, generators=gens,
                                  align=align)
-            x, labels = b.x, b.labels
+            x, labels, points_read = b.x, b.labels, b.points_read
             del b
         input_s.append(time.perf_counter() - t)
+        input_cpu_s.append(time.process_time() - cpu)
         if r == 0:  # ru_maxrss only grows: read the input's peak before any step raises it
             after_input = _peak_mib()
         voxels = x.num_voxels
@@ -122,6 +104,8 @@ def worker(args: argparse.Namespace) -> None:
     mine = {"rank": world.Get_rank(), "peak_rss_mib": _peak_mib(), "rss_before_input_mib": before,
             "peak_rss_after_input_mib": after_input,
             "input_s": statistics.median(input_s), "voxels": voxels,
+            "input_cpu_s": statistics.median(input_cpu_s),
+            "points_read": points_read if args.mode == "distributed" else int(ds.sizes[0]),
             "step_s": statistics.median(step_s) if step_s else None}
     every = world.gather(mine)
     if world.Get_rank() == 0:
@@ -146,7 +130,8 @@ def _run(n: int, scene: Path, mode: str, args: argparse.Namespace, tmp: Path) ->
     cmd += [sys.executable, "-m", "sparsepipe_hpc.bench", "scale", "--worker", str(scene),
             "--mode", mode, "--out", str(out), "--repeats", str(args.repeats),
             "--voxel-size", str(args.voxel_size), "--width", str(args.width),
-            "--depth", str(args.depth)] + (["--step"] if args.step else [])
+            "--depth", str(args.depth)] + (["--step"] if args.step else []) + \
+        ([] if args.augment else ["--no-augment"])
     proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"scale: {' '.join(cmd[:3])} ({mode}) exited {proc.returncode}\n"
@@ -168,8 +153,10 @@ def _summary(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
                        "max_input_rss_mib": max(r["peak_rss_after_input_mib"]
                                                 - r["rss_before_input_mib"] for r in pr),
                        "max_input_s": max(r["input_s"] for r in pr),
+                       "max_input_cpu_s": max(r["input_cpu_s"] for r in pr),
                        "max_step_s": max((r["step_s"] or 0.0) for r in pr) or None,
-                       "voxels_per_rank": [r["voxels"] for r in pr]}
+                       "voxels_per_rank": [r["voxels"] for r in pr],
+                       "points_read_per_rank": [r.get("points_read") for r in pr]}
         lo, hi = min(rows), max(rows)
         rows_any: dict[str, Any] = {str(k): v for k, v in rows.items()}
         rows_any["peak_ratio_%d_over_%d" % (hi, lo)] = (rows[hi]["max_peak_rss_mib"]
@@ -178,6 +165,8 @@ def _summary(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
             rows[hi]["max_input_rss_mib"] / max(rows[lo]["max_input_rss_mib"], 1e-9))
         rows_any["input_speedup_%d_over_%d" % (lo, hi)] = (rows[lo]["max_input_s"]
                                                            / rows[hi]["max_input_s"])
+        rows_any["input_cpu_speedup_%d_over_%d" % (lo, hi)] = (rows[lo]["max_input_cpu_s"]
+                                                               / rows[hi]["max_input_cpu_s"])
         out[mode] = rows_any
     if runs.get("distributed"):
         lo, hi = min(runs["distributed"]), max(runs["distributed"])
@@ -185,7 +174,8 @@ def _summary(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
         # Issue 14's targets, for the distributed path between the fewest and the most ranks.
         out["targets"] = {"peak_ratio_max": 0.35, "input_speedup_min": 3.0,
                           "peak_ratio": d["peak_ratio_%d_over_%d" % (hi, lo)],
-                          "input_speedup": d["input_speedup_%d_over_%d" % (lo, hi)]}
+                          "input_speedup": d["input_speedup_%d_over_%d" % (lo, hi)],
+                          "input_cpu_speedup": d["input_cpu_speedup_%d_over_%d" % (lo, hi)]}
     return out
 
 
@@ -196,12 +186,19 @@ def main(argv: list[str]) -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--voxel-size", type=float, default=0.02)
+    p.add_argument("--chunk-size", type=float, default=0.5,
+                   help="metres per chunk of the scene's chunked layout; 0: point-range layout")
+    p.add_argument("--rooms", type=int, nargs=2, default=(2, 2), metavar=("X", "Y"),
+                   help="rooms of the floor along x and y")
     p.add_argument("--modes", nargs="+", choices=["whole", "distributed"],
                    default=["whole", "distributed"], help="input paths to measure")
     p.add_argument("--whole-max-ranks", type=int, default=1 << 30,
                    help="run the whole-sample path only up to this many ranks (it needs the "
                         "whole sample's memory on every rank)")
     p.add_argument("--step", action="store_true", help="also time a U-Net forward+backward")
+    p.add_argument("--no-augment", dest="augment", action="store_false",
+                   help="no flips or jitter (the jitter is drawn for every row up to the last "
+                        "one a rank reads, a cost that does not fall with the ranks)")
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -216,8 +213,11 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="sparsepipe-scale-") as d:
         tmp = Path(d)
         t = time.perf_counter()
-        scene = write_floor(tmp / "floor.h5", args.points)
-        print(f"scene: {args.points} points, {scene.stat().st_size / 2**20:.0f} MiB on disk "
+        scene = write_floor(tmp / "floor.h5", args.points, rooms_x=args.rooms[0],
+                            rooms_y=args.rooms[1], chunk_size=args.chunk_size or None)
+        layout = f"chunks of {args.chunk_size} m" if args.chunk_size else "point ranges"
+        print(f"scene: {args.points} points ({layout}), "
+              f"{scene.stat().st_size / 2**20:.0f} MiB on disk "
               f"({time.perf_counter() - t:.1f} s to write)")
         runs: dict[str, dict[int, dict]] = {m: {} for m in args.modes}
         for n in args.ranks:
@@ -228,11 +228,15 @@ def main(argv: list[str]) -> None:
                 r = runs[mode][n]["per_rank"]
                 print(f"{mode:>11} n={n}: max peak RSS {max(x['peak_rss_mib'] for x in r):7.0f} "
                       f"MiB (input part {max(x['peak_rss_after_input_mib'] - x['rss_before_input_mib'] for x in r):6.0f}"
-                      f" MiB), input {max(x['input_s'] for x in r):6.2f} s/step"
-                      + (f", step {max(x['step_s'] for x in r):6.2f} s" if args.step else ""))
+                      f" MiB), input {max(x['input_s'] for x in r):6.2f} s/step "
+                      f"(CPU {max(x['input_cpu_s'] for x in r):6.2f} s)"
+                      + (f", step {max(x['step_s'] for x in r):6.2f} s" if args.step else "")
+                      + f", points read per rank {[x['points_read'] for x in r]}")
         from sparsepipe_hpc.bench.common import write_json
 
         result = {"points": args.points, "voxel_size_m": args.voxel_size, "ranks": args.ranks,
+                  "chunk_size_m": args.chunk_size or None, "rooms": list(args.rooms),
+                  "augment": args.augment,
                   "cpus": os.cpu_count(), "runs": {m: {str(n): v for n, v in by.items()}
                                                    for m, by in runs.items()},
                   "summary": _summary(runs)}

@@ -8,7 +8,8 @@
         batch = collate([ds[i] for i in idx], 0.05, origin, shape)
 
 Modules: ``checks`` (DataFormatError and shared HDF5 validation), ``scenes`` (scene layout for
-segmentation), ``modelnet`` (ModelNet40 HDF5 layout for classification), ``shapes`` and ``synth``
+segmentation), ``chunks`` (its chunked form for big scenes: points sorted by spatial chunk, a
+table of chunk boxes), ``floor`` (a floor of rooms as one large scene), ``modelnet`` (ModelNet40 HDF5 layout for classification), ``shapes`` and ``synth``
 (synthetic rooms and objects; ``python -m sparsepipe_hpc.data.synth``), ``default`` (cached
 default data), ``loader`` (grid, augmentation, collate), ``sharding`` (batch order per replica),
 ``splits`` (train and validation splits must agree).

@@ -239,6 +239,21 @@ class RangeAugmenter:
             self._pos += n
         return out
 
+    def box(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where boxes ``[lo, hi]`` (float64 [K, 3], metres) of the sample go: (lo', hi') holding
+        the augmented position of every point inside them (flips, swap, and the jitter's bound of
+        3 x ``jitter``; exact up to float rounding, which callers allow for). Pure: draws
+        nothing."""
+        c = self.centre.numpy()
+        a, b = np.asarray(lo, np.float64) - c, np.asarray(hi, np.float64) - c
+        for axis in (0, 1):
+            if self.coin[axis] < 0.5:
+                a[:, axis], b[:, axis] = -b[:, axis], -a[:, axis].copy()
+        if self.coin[2] < 0.5 and self.spatial_shape[0] == self.spatial_shape[1]:
+            a, b = a[:, [1, 0, 2]], b[:, [1, 0, 2]]
+        pad = 3 * self.jitter if self.jitter > 0 else 0.0
+        return a - pad + c, b + pad + c
+
     def __call__(self, points: torch.Tensor, start: int) -> torch.Tensor:
         """Rows ``[start, start + len(points))`` of the augmented sample; ``points`` float64."""
         stop = start + len(points)

@@ -20,6 +20,10 @@ Layout (HDF5, one file per split, e.g. ``train.h5``, ``val.h5``)::
     /scenes/<name>/rgb     uint8 [P, 3] in 0..255, or float [P, 3] in [0, 1]   (optional; present
                                           in every scene or in none)
     /scenes/<name>/label   integer [P]    class index in [0, K)
+    /scenes/<name>/chunks/ optional chunk table: the points sorted by spatial chunk, each chunk's
+                           rows and bounding box (:mod:`sparsepipe_hpc.data.chunks`), so that a
+                           spatial rank reads only chunks near its box; write with
+                           ``write_scenes(..., chunk_size=0.5)``
 
 Scenes are ordered by name (``sorted``), so index ``i`` means the same scene on every rank. Any
 float width is accepted for ``xyz`` and any integer width for ``label``; a sample hands out float32
@@ -46,6 +50,8 @@ import numpy as np
 from sparsepipe_hpc.data.checks import (
     DataFormatError, check_finite, check_kind, check_range, check_shape, open_h5, read,
     read_str_list, require_dataset)
+from sparsepipe_hpc.data.chunks import ChunkTable, check_chunk_rows, chunk_order, \
+    read_chunk_table, write_chunk_table
 from sparsepipe_hpc.data.sample import Sample
 
 __all__ = ["FORMAT", "VERSION", "SceneDataset", "write_scenes"]
@@ -56,11 +62,14 @@ VERSION = 1
 
 def write_scenes(path: str | Path,
                  scenes: Iterable[tuple[str, np.ndarray, Optional[np.ndarray], np.ndarray]],
-                 class_names: Sequence[str], attrs: Optional[dict] = None) -> Path:
+                 class_names: Sequence[str], attrs: Optional[dict] = None,
+                 chunk_size: Optional[float] = None, checksums: bool = True) -> Path:
     """Write ``(name, xyz [P,3] m, rgb [P,3] uint8 or None, label [P] int)`` scenes to ``path``.
 
     Stores ``bounds_min``/``bounds_max`` of all points; ``attrs`` adds root attributes (e.g. the
-    generator's parameters). Returns ``path``.
+    generator's parameters). ``chunk_size`` (metres): store every scene's points sorted by
+    spatial chunk with a chunk table (:mod:`sparsepipe_hpc.data.chunks`; ``checksums``: with a
+    CRC-32 per chunk); the stored point order is then the chunk order. Returns ``path``.
     """
     path = Path(path)
     lo = np.full(3, np.inf)
@@ -75,10 +84,21 @@ def write_scenes(path: str | Path,
         for name, xyz, rgb, label in scenes:
             g = group.create_group(name)
             xyz = np.asarray(xyz, dtype=np.float32)
+            rgb = None if rgb is None else np.asarray(rgb)
+            label = np.asarray(label)
+            table: Optional[ChunkTable] = None
+            if chunk_size is not None and len(xyz):
+                order, table = chunk_order(xyz, chunk_size)
+                xyz, label = xyz[order], label[order]
+                rgb = None if rgb is None else rgb[order]
+                if checksums:
+                    table = table.with_checksums(xyz, rgb, label)
             g.create_dataset("xyz", data=xyz)
             if rgb is not None:
-                g.create_dataset("rgb", data=np.asarray(rgb))
-            g.create_dataset("label", data=np.asarray(label))
+                g.create_dataset("rgb", data=rgb)
+            g.create_dataset("label", data=label)
+            if table is not None:
+                write_chunk_table(g, table)
             if len(xyz):
                 lo = np.minimum(lo, xyz.min(0))
                 hi = np.maximum(hi, xyz.max(0))
@@ -117,6 +137,7 @@ class SceneDataset:
         self._stored_bounds: Optional[tuple[np.ndarray, np.ndarray]] = None
         self._scene_bounds: Optional[tuple[np.ndarray, np.ndarray]] = None
         self.voxel_size: Optional[float] = None
+        self._chunks: dict[str, Optional[ChunkTable]] = {}
         with open_h5(path) as f:
             self._read_header(f)
             checked = [self._check_scene(f, n, full=check == "full") for n in self.names]
@@ -195,6 +216,7 @@ class SceneDataset:
             if not (rgb.dtype == np.uint8 or rgb.dtype.kind == "f"):
                 raise DataFormatError(f"{p}: dataset '{rgb.name}' must be uint8 (0..255) or float "
                                       f"(0..1); got dtype {rgb.dtype}")
+        self._chunks[name] = read_chunk_table(p, g, int(npts), self._stored_bounds)
         box = None
         if full:
             xyz = self._read_scene(f, name)[0]
@@ -218,8 +240,11 @@ class SceneDataset:
         label = read(p, g["label"], sel)
         check_range(p, g["label"].name + at, label, 0, len(self.class_names) - 1,
                     f"{len(self.class_names)} classes in 'class_names'")
-        if self.has_rgb:
-            rgb = read(p, g["rgb"], sel)
+        rgb = read(p, g["rgb"], sel) if self.has_rgb else None
+        table = self._chunks.get(name)
+        if table is not None:  # every point inside its chunk's box; checksums of whole chunks
+            check_chunk_rows(p, name, table, first, xyz, rgb, label)
+        if rgb is not None:
             if rgb.dtype == np.uint8:
                 feats = rgb.astype(np.float32) / np.float32(255.0)
             else:
@@ -248,6 +273,10 @@ class SceneDataset:
         """(min [S, 3], max [S, 3]) float64 metres per scene, when known (after a full check or
         a :meth:`bounds` scan); else None."""
         return self._scene_bounds
+
+    def chunk_table(self, i: int) -> Optional[ChunkTable]:
+        """Scene ``i``'s chunk table (validated at open), or None for a scene stored unchunked."""
+        return self._chunks[self.names[i]]
 
     def describe_sample(self, i: int) -> str:
         """Where sample ``i`` lives, for messages: ``scene 'room_3' of /data/train.h5``."""

@@ -4,6 +4,9 @@
     python -m sparsepipe_hpc.data.synth --out data/ --task both --scenes 48 --seed 0
     # -> data/scenes/{train,val}.h5   (scene layout, 8 classes)
     #    data/modelnet/{train0,test0}.h5, shape_names.txt   (ModelNet40 layout, 6 classes)
+    python -m sparsepipe_hpc.data.synth --out data/ --task floor --floor-points 20000000
+    # -> data/floor/{train,val}.h5    (one floor of rooms each, chunked scene layout:
+    #                                  sparsepipe_hpc.data.floor)
 
     from sparsepipe_hpc.data.synth import generate_scenes, generate_objects
     scenes_dir = generate_scenes("data", train=48, val=12, seed=0)
@@ -263,8 +266,10 @@ def make_object(rng: np.random.Generator, kind: str, n: int = 1024) -> np.ndarra
 # --- files ---------------------------------------------------------------------------------------
 def generate_scenes(out: str | Path, train: int = 48, val: int = 12, seed: int = 0,
                     size: Sequence[float] = (4.0, 4.0, 2.5), objects: tuple[int, int] = (6, 14),
-                    points: tuple[int, int] = (20_000, 60_000)) -> Path:
-    """Write ``out/scenes/train.h5`` and ``out/scenes/val.h5``; returns ``out/scenes``."""
+                    points: tuple[int, int] = (20_000, 60_000),
+                    chunk_size: Optional[float] = None) -> Path:
+    """Write ``out/scenes/train.h5`` and ``out/scenes/val.h5``; returns ``out/scenes``.
+    ``chunk_size`` (metres): the chunked scene layout (:mod:`sparsepipe_hpc.data.chunks`)."""
     d = Path(out) / "scenes"
     d.mkdir(parents=True, exist_ok=True)
     for split, count in (("train", train), ("val", val)):
@@ -272,7 +277,7 @@ def generate_scenes(out: str | Path, train: int = 48, val: int = 12, seed: int =
                  "seed": seed, "split": split}
         rooms = ((f"room_{i:04d}", *make_room(_rng(seed, "seg", split, i), size, objects, points))
                  for i in range(count))
-        write_scenes(d / f"{split}.h5", rooms, SEG_CLASSES, attrs)
+        write_scenes(d / f"{split}.h5", rooms, SEG_CLASSES, attrs, chunk_size=chunk_size)
     return d
 
 
@@ -299,7 +304,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.data.synth", description=__doc__
                                  .split("\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="output directory")
-    ap.add_argument("--task", choices=["seg", "cls", "both"], default="both")
+    ap.add_argument("--task", choices=["seg", "cls", "both", "floor"], default="both",
+                    help="floor: one large scene per split (a floor of rooms, chunked layout)")
+    ap.add_argument("--floor-points", type=int, default=4_000_000, help="points per floor")
+    ap.add_argument("--floor-rooms", type=int, nargs=2, default=(2, 2), metavar=("X", "Y"),
+                    help="rooms of the floor along x and y")
+    ap.add_argument("--chunk-size", type=float, default=0.5,
+                    help="metres per chunk of the floor's chunked layout; 0: unchunked")
     ap.add_argument("--scenes", type=int, default=48, help="training rooms (seg)")
     ap.add_argument("--val-scenes", type=int, default=None, help="validation rooms (default "
                     "scenes/4, at least 1)")
@@ -320,6 +331,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not 1 <= a.room_points[0] <= a.room_points[1]:
         ap.error(f"--room-points needs 1 <= MIN <= MAX; got {a.room_points}")
     t0 = time.perf_counter()
+    if a.task == "floor":
+        from sparsepipe_hpc.data.floor import generate_floor
+
+        if a.floor_points < 1 or min(a.floor_rooms) < 1 or a.chunk_size < 0:
+            ap.error("--floor-points and --floor-rooms must be >= 1 and --chunk-size >= 0; got "
+                     f"{a.floor_points}, {a.floor_rooms}, {a.chunk_size}")
+        d = generate_floor(a.out, a.floor_points, a.seed, a.floor_rooms[0], a.floor_rooms[1],
+                           chunk_size=a.chunk_size or None)
+        print(f"wrote 2 floors of {a.floor_points} points to {d}/{{train,val}}.h5")
     if a.task in ("seg", "both"):
         val = a.val_scenes if a.val_scenes is not None else max(1, a.scenes // 4)
         d = generate_scenes(a.out, a.scenes, val, a.seed, a.room, points=tuple(a.room_points))

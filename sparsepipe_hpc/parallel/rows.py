@@ -55,6 +55,7 @@ class Moved:
     order: torch.Tensor     # int64 [N]: the sender's rows sorted by destination
     send_n: np.ndarray      # int64 [size]: rows sent to each rank
     recv_n: np.ndarray      # int64 [size]: rows received from each rank
+    local: bool = False     # no rank sent a row to another: nothing moved, no copies made
 
     def reply(self, *answers: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Send one answer row per received row back to its sender (collective).
@@ -67,7 +68,7 @@ class Moved:
             if len(a) != int(self.recv_n.sum()):
                 raise ValueError(f"reply: an answer has {len(a)} rows; one per received row "
                                  f"({int(self.recv_n.sum())}) is needed")
-            if self.comm.Get_size() == 1:
+            if self.local:  # every row stayed on its rank, in its order
                 out.append(a.cpu())
                 continue
             back = _alltoallv(self.comm, a, self.recv_n, self.send_n)
@@ -102,11 +103,17 @@ def send_list(comm: Any, dest: torch.Tensor, tensors: list[torch.Tensor]) -> Mov
         n = np.array([len(dest)], np.int64)
         rows = tuple(t.cpu() for t in tensors)
         tensors.clear()
-        return Moved(rows, comm, torch.arange(len(dest)), n, n.copy())
-    order = torch.sort(dest, stable=True)[1]
+        return Moved(rows, comm, torch.arange(len(dest)), n, n.copy(), local=True)
     send_n = np.bincount(dest.numpy(), minlength=size).astype(np.int64)
     recv_n = np.empty(size, np.int64)
     comm.Alltoall(send_n, recv_n)
+    me = comm.Get_rank()
+    away = int(send_n.sum() - send_n[me])
+    if comm.allreduce(away, op=MPI.MAX) == 0:  # every row is already home (e.g. chunked input)
+        rows = tuple(t.cpu() for t in tensors)
+        tensors.clear()
+        return Moved(rows, comm, torch.arange(len(dest)), send_n, recv_n, local=True)
+    order = torch.sort(dest, stable=True)[1]
     received = []
     while tensors:
         t = tensors.pop(0)

@@ -54,7 +54,8 @@ from sparsepipe_hpc.parallel.failures import run_on_all
 from sparsepipe_hpc.parallel.rows import send_list, send_rows
 from sparsepipe_hpc.voxelize import VoxelizeError, merge_points
 
-__all__ = ["LocalVoxels", "PointKeys", "agree", "distributed_voxelize", "quantize", "voxelize_keys"]
+__all__ = ["LocalVoxels", "PointKeys", "agree", "check_cuts", "distributed_voxelize", "quantize",
+           "voxelize_keys"]
 
 
 @dataclass
@@ -189,19 +190,28 @@ def _check_same(comm: Any, what: dict[str, Any]) -> None:
                                 + "; every rank must pass the same")
 
 
+def check_cuts(grid: ProcessGrid, cuts: Any, extent: Sequence[int]) -> Cuts:
+    """``cuts`` when it is a :class:`halo.Cuts` for ``grid``'s dims over ``extent`` (voxels);
+    VoxelizeError otherwise (also for a cut mode other than 'balanced' or 'uniform')."""
+    extent = [int(s) for s in extent]
+    if not isinstance(cuts, Cuts):
+        raise VoxelizeError(f"cuts must be 'balanced', 'uniform' or a Cuts; got {cuts!r}")
+    if cuts.dims != grid.dims or list(cuts.extent) != extent:
+        raise VoxelizeError(f"explicit cuts {cuts} are for a grid {cuts.dims} over extent "
+                            f"{cuts.extent}; the grid is {grid.dims} and the extent "
+                            f"{tuple(extent)} voxels")
+    return cuts
+
+
 def _cuts(grid: ProcessGrid, keys: torch.Tensor, spatial_shape: Sequence[int],
           cuts: str | Cuts, align: int) -> Cuts:
     extent = [int(s) for s in spatial_shape]
     if isinstance(cuts, Cuts):
-        if cuts.dims != grid.dims or list(cuts.extent) != extent:
-            raise VoxelizeError(f"explicit cuts {cuts} are for a grid {cuts.dims} over extent "
-                                f"{cuts.extent}; the grid is {grid.dims} and the extent "
-                                f"{tuple(extent)} voxels")
-        return cuts
+        return check_cuts(grid, cuts, extent)
     if cuts == "uniform" or grid.size == 1:  # one box: balanced cuts are the whole extent too
         return uniform_cuts(extent, grid.dims, align=align)
     if cuts != "balanced":
-        raise VoxelizeError(f"cuts must be 'balanced', 'uniform' or a Cuts; got {cuts!r}")
+        check_cuts(grid, cuts, extent)  # raises: not a Cuts
     # Each distinct voxel must be counted once: send the keys this rank saw to a hash rank.
     mine = torch.unique(keys)
     moved = send_rows(grid.comm, mine % grid.size, mine)
