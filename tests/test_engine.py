@@ -13,6 +13,11 @@ from sparsepipe_hpc.engine.spconv_engine import patch_spconv
 
 ENGINES = ["torch", "spconv"]
 
+# spconv reference layers run on CPU tensors: name the Native algorithm, which both of
+# spconv's builds run on the CPU (its CUDA build picks implicit GEMM otherwise, CUDA only).
+NATIVE = spconv.ConvAlgo.Native
+pytestmark = pytest.mark.usefixtures("spconv_like_cuda_build")
+
 
 def spconv_rows(ref_coords: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
     """Permutation p with ref_coords[p] == ours."""
@@ -32,7 +37,7 @@ def test_keys_round_trip(gen):
 def test_submanifold_matches_spconv(gen, engine, k, d):
     patch_spconv()
     x = random_cloud(gen, 600)
-    ref = spconv.SubMConv3d(4, 5, k, dilation=d, bias=False).double()
+    ref = spconv.SubMConv3d(4, 5, k, dilation=d, bias=False, algo=NATIVE).double()
     y_ref = ref(x.to_spconv()).features
     km = kernel_map(x.coords, x.coords, k, 1, d * (k // 2), d)
     w = ref.weight.detach().reshape(5, k ** 3, 4)
@@ -48,8 +53,9 @@ def test_strided_and_inverse_match_spconv(gen, engine, k, s, p):
     patch_spconv()
     x = random_cloud(gen, 500)
     eng = get_engine(engine)
-    down = spconv.SparseConv3d(4, 6, k, stride=s, padding=p, bias=False, indice_key="d").double()
-    inv = spconv.SparseInverseConv3d(6, 4, k, indice_key="d", bias=False).double()
+    down = spconv.SparseConv3d(4, 6, k, stride=s, padding=p, bias=False, indice_key="d",
+                                algo=NATIVE).double()
+    inv = spconv.SparseInverseConv3d(6, 4, k, indice_key="d", bias=False, algo=NATIVE).double()
     mid = down(x.to_spconv())
     out_shape = mid.spatial_shape
     oc = output_coords(x.coords, k, s, p, 1, out_shape)
