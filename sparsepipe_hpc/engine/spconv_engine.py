@@ -65,6 +65,9 @@ class SpconvEngine(Engine):
     name = "spconv"
 
     def __init__(self) -> None:
+        from sparsepipe_hpc.deps import check_spconv
+
+        check_spconv(required=True)  # one build, not two half-overwritten ones
         patch_spconv()
         from spconv.pytorch import ops
 
