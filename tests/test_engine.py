@@ -136,3 +136,30 @@ def test_spconv_engine_in_pieces_with_progress_equals_whole(gen):
     torch.testing.assert_close(gi, ri, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gw, rw, rtol=1e-12, atol=1e-12)
     assert len(calls) == 8
+
+
+@pytest.mark.parametrize("args", [(3, 1, 1, 1), (3, 1, 2, 2), (2, 2, 0, 1), (3, 2, 1, 1)])
+def test_kernel_map_is_the_same_for_any_offsets_per_pass(gen, args):
+    """The GPU's batched lookup (many offsets per pass, no host sync per offset) equals the
+    CPU's offset-at-a-time one, pair for pair and in the same CSR order."""
+    x = random_cloud(gen, 700)
+    out = x.coords if args[1] == 1 else output_coords(x.coords, *args, (8, 8, 8))
+    ref = kernel_map(x.coords, out, *args, offsets_per_pass=1)
+    for per_pass in (2, 5, 27, 1000):
+        km = kernel_map(x.coords, out, *args, offsets_per_pass=per_pass)
+        assert torch.equal(km.ptr, ref.ptr) and torch.equal(km.in_rows, ref.in_rows)
+        assert torch.equal(km.out_rows, ref.out_rows)
+    empty = kernel_map(x.coords[:0], out, *args, offsets_per_pass=5)
+    assert empty.num_pairs == 0 and empty.num_offsets == args[0] ** 3
+
+
+def test_select_keeps_csr_by_offset(gen):
+    x = random_cloud(gen, 500)
+    km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
+    keep = km.in_rows % 3 == 0
+    sel = km.select(keep)
+    for k in range(km.num_offsets):
+        i, o = km.pairs(k)
+        si, so = sel.pairs(k)
+        m = i % 3 == 0
+        assert torch.equal(si, i[m]) and torch.equal(so, o[m])
