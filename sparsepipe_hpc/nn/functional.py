@@ -54,9 +54,10 @@ class _SparseConv(torch.autograd.Function):
         return g_in, g_w, None, None
 
 
-def sparse_conv(feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,
+def sparse_conv(feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap | Any,
                 engine: Engine) -> torch.Tensor:
-    """feats [n_in, C_in], weight [C_out, K, C_in] -> [n_out, C_out] over the pairs of ``kmap``.
+    """feats [n_in, C_in], weight [C_out, K, C_in] -> [n_out, C_out] over the pairs of ``kmap``
+    (a KernelMap, or the engine's own submanifold map: :meth:`Engine.subm_map`).
 
     Under ``torch.autocast`` both are cast to its dtype first (see :mod:`sparsepipe_hpc.nn.amp`).
     """

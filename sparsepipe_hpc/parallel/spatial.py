@@ -28,7 +28,7 @@ backward fetches those rows' gradients (the forward exchange).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, cast
 
 import torch
@@ -56,6 +56,21 @@ class DistMaps:
     halo: Optional[KernelMap]  # halo rows (0..H-1) -> local output rows; None: no halo
     exchange: Any = None
     group: Any = None          # the SpatialGroup, which keeps the exposed-wait clock
+    # A submanifold layer's local part is an ordinary submanifold convolution of this rank's
+    # voxels: (coords, spatial_shape, batch_size, kernel_size, dilation) to build the engine's
+    # own map of it (spconv: its indices and kernels, implicit GEMM on CUDA), once per engine.
+    subm: Optional[tuple] = None
+    native: dict = field(default_factory=dict, repr=False)
+
+    def local_for(self, engine: Engine) -> Any:
+        """The local part's map for ``engine``: its own submanifold map when it has one, else
+        :attr:`local` (the same pairs; tests/mpi/test_spatial_local.py proves them equal)."""
+        if self.subm is None:
+            return self.local
+        if engine.name not in self.native:
+            self.native[engine.name] = engine.subm_map(*self.subm)
+        m = self.native[engine.name]
+        return self.local if m is None else m
 
     def wait(self, pending: Any) -> Any:
         """Wait for an exchange, counting the time blocked as exposed communication."""
@@ -70,10 +85,13 @@ class SpatialGroup:
     """The ranks that share every sample of a replica: a Cartesian grid and its transport."""
 
     def __init__(self, comm: Any, dims: Sequence[int], transport: Any = None,
-                 overlap: bool = True):
+                 overlap: bool = True, native_local: bool = True):
         self.grid = ProcessGrid(comm, dims)
         self.transport = transport if transport is not None else MPITransport(self.grid.comm)
         self.overlap = overlap
+        # Submanifold layers' local parts through the engine's own map (False: our KernelMap
+        # for every part, the path before; kept for the equality tests and the benchmark).
+        self.native_local = native_local
         self.exposed_wait_s = 0.0  # time blocked in exchange waits (what overlap did not hide)
 
     def decompose(self, x: SparseTensor, align: int = 1, balanced: bool = True,
@@ -166,6 +184,8 @@ class SpatialDomain:
         else:
             local, halo = plan.kernel_maps(x.coords, out, *geometry)
             maps = DistMaps(local, halo, HaloExchange(plan, self.group.transport), self.group)
+        if s.subm and self.group.native_local:
+            maps.subm = (x.coords, x.spatial_shape, x.batch_size, s.kernel_size, s.dilation)
         return ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, None, maps)
 
 
@@ -176,7 +196,7 @@ class _DistConv(torch.autograd.Function):
     def forward(ctx, feats, weight, maps: DistMaps, engine: Engine, overlap: bool,
                 transposed: bool):
         ctx.maps, ctx.engine, ctx.overlap, ctx.transposed = maps, engine, overlap, transposed
-        local = maps.local.transpose() if transposed else maps.local
+        local = maps.local.transpose() if transposed else maps.local_for(engine)
         if maps.halo is None:
             ctx.save_for_backward(feats, weight, None)
             return engine.forward(feats, weight, local)
@@ -201,7 +221,7 @@ class _DistConv(torch.autograd.Function):
         feats, weight, halo = ctx.saved_tensors
         maps, engine, overlap = ctx.maps, ctx.engine, ctx.overlap
         grad_out = grad_out.contiguous()
-        local = maps.local.transpose() if ctx.transposed else maps.local
+        local = maps.local.transpose() if ctx.transposed else maps.local_for(engine)
         if maps.halo is None:
             g_in, g_w = engine.backward(feats, weight, grad_out, local)
             return g_in, g_w, None, None, None, None
