@@ -13,6 +13,7 @@ catches two of them in one environment before anything runs on the mix.
 
 from __future__ import annotations
 
+import functools
 import re
 from importlib import metadata
 from typing import Iterable, Optional
@@ -74,6 +75,9 @@ def check_spconv(required: bool = False,
     return builds[0][0]
 
 
+@functools.lru_cache(maxsize=None)
 def spconv_available() -> bool:
-    """Whether exactly one spconv build is installed (two raise DependencyError)."""
+    """Whether exactly one spconv build is installed (two raise DependencyError). Looked up once
+    per process: scanning the installed distributions takes milliseconds, and layers ask on
+    every call."""
     return check_spconv() is not None

@@ -76,7 +76,7 @@ class SpconvEngine(Engine):
     def __init__(self) -> None:
         from sparsepipe_hpc.deps import check_spconv
 
-        check_spconv(required=True)  # one build, not two half-overwritten ones
+        check_spconv(required=True)  # one build, not two half-overwritten ones (once: cached)
         patch_spconv()
         from spconv.pytorch import ops
 
