@@ -39,7 +39,7 @@ import torch
 from sparsepipe_hpc.bench.common import environment, write_json
 from sparsepipe_hpc.sparse import SparseTensor
 
-__all__ = ["main", "synthetic_rooms", "time_step"]
+__all__ = ["main", "build_parser", "synthetic_rooms", "time_step"]
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -272,7 +272,7 @@ def _kernel_maps(x: SparseTensor, depth: int, device: torch.device, repeats: int
     return out
 
 
-def main(argv: list[str]) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench gpu")
     p.add_argument("--json")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -285,6 +285,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("--precisions", default=None,
                    help="comma-separated (default fp32,fp16; spconv has no bfloat16 CPU kernels)")
     p.add_argument("--repeats", type=int, default=5)
+    return p
+
+
+def main(argv: list[str]) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
 
     from sparsepipe_hpc.train.device import resolve_device

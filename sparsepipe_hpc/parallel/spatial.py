@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 
@@ -52,7 +52,7 @@ __all__ = ["SpatialGroup", "SpatialDomain"]
 class DistMaps:
     """A distributed convolution's split kernel maps and the exchange that feeds the halo rows."""
 
-    local: KernelMap          # local input rows -> local output rows
+    local_map: Optional[KernelMap]  # local input rows -> local output rows (None: built on use)
     halo: Optional[KernelMap]  # halo rows (0..H-1) -> local output rows; None: no halo
     exchange: Any = None
     group: Any = None          # the SpatialGroup, which keeps the exposed-wait clock
@@ -61,6 +61,17 @@ class DistMaps:
     # own map of it (spconv: its indices and kernels, implicit GEMM on CUDA), once per engine.
     subm: Optional[tuple] = None
     native: dict = field(default_factory=dict, repr=False)
+
+    build_local: Optional[Callable[[], KernelMap]] = None
+
+    @property
+    def local(self) -> KernelMap:
+        """The local part's explicit pairs; built on first use when the engine's own map made
+        them unnecessary so far."""
+        if self.local_map is None:
+            assert self.build_local is not None
+            self.local_map = self.build_local()
+        return self.local_map
 
     def local_for(self, engine: Engine) -> Any:
         """The local part's map for ``engine``: its own submanifold map when it has one, else
@@ -178,13 +189,27 @@ class SpatialDomain:
         else:  # every input an output of this box reads is in the box (stride-aligned cuts)
             out = output_coords(x.coords, *geometry, out_shape)
             out = out[self.owned_rows(out, stride=x.stride * s.stride)]
+        # A submanifold layer's local part usually runs on the engine's own map (DistMaps.subm):
+        # its explicit local pairs are then built only if an engine without one asks.
+        native = s.subm and self.group.native_local
+        coords = x.coords
+
+        def build_local() -> KernelMap:
+            return kernel_map(coords, out, *geometry)
+
         if plan is None or not (plan.send_ranks or plan.recv_ranks):
             # Nothing to exchange on this rank, and so no peer waits for it either.
-            maps = DistMaps(kernel_map(x.coords, out, *geometry), None)
+            maps = DistMaps(None if native else build_local(), None, build_local=build_local)
+        elif native:
+            # The halo pairs alone: a lookup of the outputs' stencils among the halo voxels gives
+            # exactly the halo half of the split map (each output has one input per offset).
+            halo = kernel_map(plan.halo_coords, out, *geometry)
+            maps = DistMaps(None, halo, HaloExchange(plan, self.group.transport), self.group,
+                            build_local=build_local)
         else:
             local, halo = plan.kernel_maps(x.coords, out, *geometry)
             maps = DistMaps(local, halo, HaloExchange(plan, self.group.transport), self.group)
-        if s.subm and self.group.native_local:
+        if native:
             maps.subm = (x.coords, x.spatial_shape, x.batch_size, s.kernel_size, s.dilation)
         return ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, None, maps)
 

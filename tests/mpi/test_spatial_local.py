@@ -31,9 +31,16 @@ def forward_backward(net, xl, native: bool, ctx_args):
     (y.feats * r).sum().backward()
     grads = [p.grad.clone() for p in net.parameters()]
     net.zero_grad()
-    used = [type(e.extra.local_for(get_engine("spconv"))).__name__ for k, e in x.kmaps.items()
-            if k.startswith("subm")]
-    return y.feats.detach(), f.grad, grads, used
+    subm = {k: e.extra for k, e in x.kmaps.items() if k.startswith("subm")}
+    used = [type(m.local_for(get_engine("spconv"))).__name__ for m in subm.values()]
+    return y.feats.detach(), f.grad, grads, used, subm
+
+
+def same_map(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return (torch.equal(a.ptr, b.ptr) and torch.equal(a.in_rows, b.in_rows)
+            and torch.equal(a.out_rows, b.out_rows) and (a.n_in, a.n_out) == (b.n_in, b.n_out))
 
 
 NETS = {
@@ -52,8 +59,14 @@ def test_native_local_part_equals_explicit_pairs(comm, name, kind):
         torch.manual_seed(0)
         net = NETS[name]().double()
         ref = copy.deepcopy(net)
-        y, gi, gw, used = forward_backward(net, x, True, (comm, grid))
-        y0, gi0, gw0, used0 = forward_backward(ref, x, False, (comm, grid))
+        y, gi, gw, used, maps = forward_backward(net, x, True, (comm, grid))
+        y0, gi0, gw0, used0, maps0 = forward_backward(ref, x, False, (comm, grid))
+        # The halo pairs, found by looking up the outputs' stencils among the halo voxels alone,
+        # and the explicit local pairs (built only on demand now) are the old split map's.
+        assert maps.keys() == maps0.keys()
+        for key in maps:
+            assert same_map(maps[key].halo, maps0[key].halo), key
+            assert same_map(maps[key].local, maps0[key].local), key
         assert used and set(used) == {SubmMap.__name__}, used   # the new path really ran
         assert set(used0) == {"KernelMap"}, used0                # and the old one
         torch.testing.assert_close(y, y0, **TOL)
