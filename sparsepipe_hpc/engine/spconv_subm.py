@@ -127,12 +127,12 @@ def subm_forward(feats: torch.Tensor, weight: torch.Tensor, m: SubmMap,
         assert m.igemm is not None
         _, _, pair_fwd, _, mask_fwd, _, argsort_fwd, _, masks = m.igemm
         with spconv_call(feats.device):
-            out, mask_out, mask_width = ops.implicit_gemm(feats, weight, pair_fwd, mask_fwd,
-                                                          argsort_fwd, m.n, masks, True, True)
+            y, mask_out, mask_width = ops.implicit_gemm(feats, weight, pair_fwd, mask_fwd,
+                                                        argsort_fwd, m.n, masks, True, True)
         m._fwd_masks[(weight.shape, weight.dtype)] = (mask_out, mask_width)
         if progress is not None:
             progress()
-        return out
+        return y
     assert m.native is not None
     pairs, counts = m.native
     out: Optional[torch.Tensor] = None
