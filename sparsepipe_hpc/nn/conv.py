@@ -164,8 +164,11 @@ class _SparseConvBase(nn.Module):
             out_shape = s.out_shape(x.spatial_shape)
             out = x.coords if s.subm else output_coords(x.coords, s.kernel_size, s.stride,
                                                         s.padding, s.dilation, out_shape)
-            # Built on first use (local_map): a submanifold layer may run the engine's own map.
-            e = ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride,
+            # A submanifold layer may run the engine's own map: its KernelMap is built on first
+            # use (local_map); a strided one's now, since its inverse and the pipeline read it.
+            km = None if s.subm else kernel_map(x.coords, out, s.kernel_size, s.stride,
+                                                s.padding, s.dilation)
+            e = ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, km,
                           batch_size=x.batch_size)
             x.kmaps[key] = e
         elif e.in_coords.shape != x.coords.shape:
