@@ -73,3 +73,23 @@ def test_ci_and_readme_install_the_cpu_build():
     readme = (ROOT / "README.md").read_text()
     assert 'pip install torch==2.13.0 -e ".[cpu]" && mpirun' in readme
     assert 'pip install torch==2.13.0 -e ".[cpu,dev]" && python -m pytest' in readme
+
+
+def test_cli_with_two_spconv_builds_exits_2(tmp_path):
+    """A second build's metadata on the path (as `pip install spconv-cu126` over `spconv`
+    leaves it): the trainer stops before any work with the message, exit status 2."""
+    import os
+    import subprocess
+
+    info = tmp_path / "site" / "spconv_cu126-2.3.8.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: spconv-cu126\nVersion: 2.3.8\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path / "site")]))
+    proc = subprocess.run([sys.executable, "-m", "sparsepipe_hpc.train", "--steps", "1",
+                           "--out", str(tmp_path / "run")], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("sparsepipe_hpc.train: error: spconv is installed more than once: spconv 2.3.8 "
+            "(CPU build) and spconv-cu126 2.3.8 (CUDA 12.6 build)") in proc.stderr
+    assert "Traceback" not in proc.stderr

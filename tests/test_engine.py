@@ -163,3 +163,36 @@ def test_select_keeps_csr_by_offset(gen):
         si, so = sel.pairs(k)
         m = i % 3 == 0
         assert torch.equal(si, i[m]) and torch.equal(so, o[m])
+
+
+@pytest.mark.parametrize("k,d", [(3, 1), (3, 2), (5, 1)])
+@pytest.mark.parametrize("pieces", [False, True])
+def test_spconv_subm_map_equals_explicit_pairs(gen, k, d, pieces):
+    """spconv's own submanifold indices and kernels (the new local path) against our kernel map,
+    whole and in the two pieces an exchange's progress calls split it into (float64)."""
+    from sparsepipe_hpc.engine.spconv_subm import SubmMap
+
+    x = random_cloud(gen, 900)
+    eng = get_engine("spconv")
+    m = eng.subm_map(x.coords, x.spatial_shape, x.batch_size, k, d)
+    assert isinstance(m, SubmMap) and not m.implicit_gemm and (m.n_in, m.n_out) == (m.n, m.n)
+    km = kernel_map(x.coords, x.coords, k, 1, d * (k // 2), d)
+    w = torch.randn(5, k ** 3, 4, dtype=torch.float64, generator=gen)
+    g = torch.randn(km.n_out, 5, dtype=torch.float64, generator=gen)
+    calls = []
+    progress = (lambda: calls.append(1)) if pieces else None
+    y = eng.forward(x.feats, w, m, progress)
+    gi, gw = eng.backward(x.feats, w, g, m, progress)
+    ref = get_engine("torch")
+    torch.testing.assert_close(y, ref.forward(x.feats, w, km), rtol=1e-12, atol=1e-12)
+    rgi, rgw = ref.backward(x.feats, w, g, km)
+    torch.testing.assert_close(gi, rgi, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw, rgw, rtol=1e-12, atol=1e-12)
+    assert len(calls) == (4 if pieces else 0)  # two pieces forward, two backward
+    out = torch.ones_like(y)
+    torch.testing.assert_close(eng.forward(x.feats, w, m, out=out), y + 1)
+    acc = torch.ones_like(gi)
+    gi2, _ = eng.backward(x.feats, w, g, m, grad_in=acc)
+    torch.testing.assert_close(gi2, gi + 1)
+    assert eng.subm_map(x.coords, x.spatial_shape, x.batch_size, 1, 1) is None  # 1x1: own map
+    assert get_engine("torch").subm_map(x.coords, x.spatial_shape, x.batch_size, 3, 1) is None
