@@ -48,6 +48,7 @@ class SubmMap:
     # Implicit GEMM: the forward's output mask, needed by backward; it depends on the tile the
     # kernel chose, i.e. on channels and dtype, so it is kept per (C_in, C_out, dtype).
     _fwd_masks: dict = field(default_factory=dict, repr=False)
+    _explicit: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
 
     @property
     def n_in(self) -> int:
@@ -94,22 +95,42 @@ def subm_map(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int
     return SubmMap(len(coords), k3, False, native=(pairs, counts))
 
 
-def _centreless(weight: torch.Tensor) -> torch.Tensor:
-    """The weight with its centre offset zeroed (spconv's subm kernels always add the centre)."""
-    w = weight.clone()
-    w[:, weight.shape[1] // 2] = 0
-    return w
+def _explicit_pairs(m: SubmMap) -> tuple[torch.Tensor, torch.Tensor]:
+    """spconv's half table completed with the mirrored offsets (pairs swapped), for plain
+    (non-submanifold) calls on some offsets; the centre left empty. Built once, on demand."""
+    if m._explicit is None:
+        assert m.native is not None
+        pairs, counts = m.native
+        k = len(counts)
+        full = pairs.clone()
+        n = counts.clone()
+        for j in range(k // 2):
+            c = int(counts[j])
+            full[:, k - 1 - j, :c] = pairs[[1, 0], j, :c]
+            n[k - 1 - j] = counts[j]
+        n[k // 2] = 0
+        m._explicit = (full, n)
+    return m._explicit
 
 
-def _native_pieces(counts: torch.Tensor, progress: Progress) -> list[tuple[torch.Tensor, bool]]:
-    """(counts, with the centre?) pieces: one, or two when an exchange wants a progress call in
-    between (the second runs the other offsets with a centre-less weight)."""
-    if progress is None or len(counts) < 4:
-        return [(counts, True)]
-    half = len(counts) // 4  # spconv stores offsets 0..K/2-1; split those in two
-    a, b = torch.zeros_like(counts), torch.zeros_like(counts)
-    a[:half], b[half:] = counts[:half], counts[half:]
-    return [(a, True), (b, False)]
+def _native_pieces(m: SubmMap, progress: Progress
+                   ) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """(pairs, counts, submanifold call?) pieces: the whole map as one submanifold call, or, when
+    an exchange wants progress calls in between, two: the centre and the first offsets (and their
+    mirrors) as a submanifold call, the rest as a plain call on the completed table."""
+    assert m.native is not None
+    pairs, counts = m.native
+    k = len(counts)
+    if progress is None or k < 8:
+        return [(pairs, counts, True)]
+    full, full_counts = _explicit_pairs(m)
+    split = k // 4  # spconv stores offsets 0..k/2-1: the first quarter, then the rest
+    first = torch.zeros_like(counts)
+    first[:split] = counts[:split]
+    rest = full_counts.clone()
+    rest[:split] = 0
+    rest[k - split:] = 0
+    return [(pairs, first, True), (full, rest, False)]
 
 
 def subm_forward(feats: torch.Tensor, weight: torch.Tensor, m: SubmMap,
@@ -133,13 +154,10 @@ def subm_forward(feats: torch.Tensor, weight: torch.Tensor, m: SubmMap,
         if progress is not None:
             progress()
         return y
-    assert m.native is not None
-    pairs, counts = m.native
     out: Optional[torch.Tensor] = None
     with spconv_call(feats.device):
-        for part, centre in _native_pieces(counts, progress):
-            w = weight if centre else _centreless(weight)
-            y = ops.indice_conv(feats, w, pairs, part, m.n, False, True)
+        for pairs, part, subm in _native_pieces(m, progress):
+            y = ops.indice_conv(feats, weight, pairs, part, m.n, False, subm)
             out = y if out is None else out.add_(y)
             if progress is not None:
                 progress()
@@ -178,18 +196,12 @@ def subm_backward(feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Ten
         if progress is not None:
             progress()
         return (gi if need_input_grad else None), gw.view_as(weight)
-    assert m.native is not None
-    pairs, counts = m.native
     g_in: Optional[torch.Tensor] = None
     g_w: Optional[torch.Tensor] = None
-    centre = weight.shape[1] // 2
     with spconv_call(feats.device):
-        for part, with_centre in _native_pieces(counts, progress):
-            w = weight if with_centre else _centreless(weight)
-            gi, gw = ops.indice_conv_backward(feats, w, grad_out, pairs, part, False, True)
+        for pairs, part, subm in _native_pieces(m, progress):
+            gi, gw = ops.indice_conv_backward(feats, weight, grad_out, pairs, part, False, subm)
             gw = gw.view_as(weight)
-            if not with_centre:  # its centre term belongs to the first piece
-                gw[:, centre] = 0
             g_in = gi if g_in is None else g_in.add_(gi)
             g_w = gw if g_w is None else g_w.add_(gw)
             if progress is not None:
