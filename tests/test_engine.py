@@ -13,6 +13,11 @@ from sparsepipe_hpc.engine.spconv_engine import patch_spconv
 
 ENGINES = ["torch", "spconv"]
 
+# spconv reference layers run on CPU tensors: name the Native algorithm, which both of
+# spconv's builds run on the CPU (its CUDA build picks implicit GEMM otherwise, CUDA only).
+NATIVE = spconv.ConvAlgo.Native
+pytestmark = pytest.mark.usefixtures("spconv_like_cuda_build")
+
 
 def spconv_rows(ref_coords: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
     """Permutation p with ref_coords[p] == ours."""
@@ -32,7 +37,7 @@ def test_keys_round_trip(gen):
 def test_submanifold_matches_spconv(gen, engine, k, d):
     patch_spconv()
     x = random_cloud(gen, 600)
-    ref = spconv.SubMConv3d(4, 5, k, dilation=d, bias=False).double()
+    ref = spconv.SubMConv3d(4, 5, k, dilation=d, bias=False, algo=NATIVE).double()
     y_ref = ref(x.to_spconv()).features
     km = kernel_map(x.coords, x.coords, k, 1, d * (k // 2), d)
     w = ref.weight.detach().reshape(5, k ** 3, 4)
@@ -48,8 +53,9 @@ def test_strided_and_inverse_match_spconv(gen, engine, k, s, p):
     patch_spconv()
     x = random_cloud(gen, 500)
     eng = get_engine(engine)
-    down = spconv.SparseConv3d(4, 6, k, stride=s, padding=p, bias=False, indice_key="d").double()
-    inv = spconv.SparseInverseConv3d(6, 4, k, indice_key="d", bias=False).double()
+    down = spconv.SparseConv3d(4, 6, k, stride=s, padding=p, bias=False, indice_key="d",
+                                algo=NATIVE).double()
+    inv = spconv.SparseInverseConv3d(6, 4, k, indice_key="d", bias=False, algo=NATIVE).double()
     mid = down(x.to_spconv())
     out_shape = mid.spatial_shape
     oc = output_coords(x.coords, k, s, p, 1, out_shape)
@@ -130,3 +136,63 @@ def test_spconv_engine_in_pieces_with_progress_equals_whole(gen):
     torch.testing.assert_close(gi, ri, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gw, rw, rtol=1e-12, atol=1e-12)
     assert len(calls) == 8
+
+
+@pytest.mark.parametrize("args", [(3, 1, 1, 1), (3, 1, 2, 2), (2, 2, 0, 1), (3, 2, 1, 1)])
+def test_kernel_map_is_the_same_for_any_offsets_per_pass(gen, args):
+    """The GPU's batched lookup (many offsets per pass, no host sync per offset) equals the
+    CPU's offset-at-a-time one, pair for pair and in the same CSR order."""
+    x = random_cloud(gen, 700)
+    out = x.coords if args[1] == 1 else output_coords(x.coords, *args, (8, 8, 8))
+    ref = kernel_map(x.coords, out, *args, offsets_per_pass=1)
+    for per_pass in (2, 5, 27, 1000):
+        km = kernel_map(x.coords, out, *args, offsets_per_pass=per_pass)
+        assert torch.equal(km.ptr, ref.ptr) and torch.equal(km.in_rows, ref.in_rows)
+        assert torch.equal(km.out_rows, ref.out_rows)
+    empty = kernel_map(x.coords[:0], out, *args, offsets_per_pass=5)
+    assert empty.num_pairs == 0 and empty.num_offsets == args[0] ** 3
+
+
+def test_select_keeps_csr_by_offset(gen):
+    x = random_cloud(gen, 500)
+    km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
+    keep = km.in_rows % 3 == 0
+    sel = km.select(keep)
+    for k in range(km.num_offsets):
+        i, o = km.pairs(k)
+        si, so = sel.pairs(k)
+        m = i % 3 == 0
+        assert torch.equal(si, i[m]) and torch.equal(so, o[m])
+
+
+@pytest.mark.parametrize("k,d", [(3, 1), (3, 2), (5, 1)])
+@pytest.mark.parametrize("pieces", [False, True])
+def test_spconv_subm_map_equals_explicit_pairs(gen, k, d, pieces):
+    """spconv's own submanifold indices and kernels (the new local path) against our kernel map,
+    whole and in the two pieces an exchange's progress calls split it into (float64)."""
+    from sparsepipe_hpc.engine.spconv_subm import SubmMap
+
+    x = random_cloud(gen, 900)
+    eng = get_engine("spconv")
+    m = eng.subm_map(x.coords, x.spatial_shape, x.batch_size, k, d)
+    assert isinstance(m, SubmMap) and not m.implicit_gemm and (m.n_in, m.n_out) == (m.n, m.n)
+    km = kernel_map(x.coords, x.coords, k, 1, d * (k // 2), d)
+    w = torch.randn(5, k ** 3, 4, dtype=torch.float64, generator=gen)
+    g = torch.randn(km.n_out, 5, dtype=torch.float64, generator=gen)
+    calls = []
+    progress = (lambda: calls.append(1)) if pieces else None
+    y = eng.forward(x.feats, w, m, progress)
+    gi, gw = eng.backward(x.feats, w, g, m, progress)
+    ref = get_engine("torch")
+    torch.testing.assert_close(y, ref.forward(x.feats, w, km), rtol=1e-12, atol=1e-12)
+    rgi, rgw = ref.backward(x.feats, w, g, km)
+    torch.testing.assert_close(gi, rgi, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw, rgw, rtol=1e-12, atol=1e-12)
+    assert len(calls) == (4 if pieces else 0)  # two pieces forward, two backward
+    out = torch.ones_like(y)
+    torch.testing.assert_close(eng.forward(x.feats, w, m, out=out), y + 1)
+    acc = torch.ones_like(gi)
+    gi2, _ = eng.backward(x.feats, w, g, m, grad_in=acc)
+    torch.testing.assert_close(gi2, gi + 1)
+    assert eng.subm_map(x.coords, x.spatial_shape, x.batch_size, 1, 1) is None  # 1x1: own map
+    assert get_engine("torch").subm_map(x.coords, x.spatial_shape, x.batch_size, 3, 1) is None

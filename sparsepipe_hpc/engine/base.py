@@ -5,7 +5,9 @@
     g_feats, g_weight = engine.backward(feats, weight, grad_out, kmap)
 
 ``feats`` [n_in, C_in], ``weight`` [C_out, K, C_in] (spconv's KRSC order with the kernel flattened),
-``kmap`` a :class:`halo.kmap.KernelMap`. Engines are plain functions of tensors, without autograd:
+``kmap`` a :class:`halo.kmap.KernelMap`, or what the engine's :meth:`Engine.subm_map` returned for a
+submanifold convolution of one voxel set onto itself (spconv: its own indices and kernels,
+implicit GEMM on CUDA; :mod:`sparsepipe_hpc.engine.spconv_subm`). Engines are plain functions of tensors, without autograd:
 serial and distributed autograd functions call them, so the distributed layer can run the local
 part while the halo is in flight and the halo part after.
 """
@@ -13,7 +15,7 @@ part while the halo is in flight and the halo part after.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -27,6 +29,14 @@ Progress = Optional[Callable[[], object]]
 
 class Engine(ABC):
     name: str = "?"
+
+    def subm_map(self, coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int,
+                 kernel_size: int, dilation: int) -> Optional[Any]:
+        """The engine's own index data for a submanifold convolution of ``coords`` onto
+        themselves (outputs in the input rows), which :meth:`forward`/:meth:`backward` then take
+        in place of a KernelMap of the same pairs; None: the engine has none (the default), use
+        :func:`halo.kmap.kernel_map`."""
+        return None
 
     @abstractmethod
     def forward(self, feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,

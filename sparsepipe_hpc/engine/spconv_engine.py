@@ -11,14 +11,13 @@ Two facts about spconv 2.3.8's CPU build, measured here, shape this module:
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from halo.kmap import KernelMap
 from sparsepipe_hpc.engine.base import Engine, Progress
 
-__all__ = ["SpconvEngine", "patch_spconv", "single_thread"]
+__all__ = ["SpconvEngine", "patch_spconv", "single_thread", "spconv_call", "native_dtype"]
 
 _patched = False
 
@@ -56,22 +55,58 @@ def single_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(n)
 
 
+def native_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype spconv computes a ``dtype`` call in on ``device``: bfloat16 on CPU in float32."""
+    return torch.float32 if dtype == torch.bfloat16 and device.type == "cpu" else dtype
+
+
+@contextlib.contextmanager
+def spconv_call(device: torch.device) -> Iterator[None]:
+    """Around every spconv kernel call: one thread on CPU (:func:`single_thread`), and autocast
+    off, since spconv runs some of its GEMMs through torch (``torch.mm`` for a submanifold
+    centre), which autocast would hand back in another dtype than the kernels it feeds expect;
+    the layers already cast inputs to the autocast dtype (:mod:`sparsepipe_hpc.nn.amp`)."""
+    with single_thread(device), torch.autocast(device.type, enabled=False):
+        yield
+
+
 class SpconvEngine(Engine):
     name = "spconv"
 
     def __init__(self) -> None:
+        from sparsepipe_hpc.deps import check_spconv
+
+        check_spconv(required=True)  # one build, not two half-overwritten ones (once: cached)
         patch_spconv()
         from spconv.pytorch import ops
 
         self._ops = ops
 
-    def forward(self, feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,
+    def subm_map(self, coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int,
+                 kernel_size: int, dilation: int) -> Optional[Any]:
+        """spconv's own submanifold indices (:mod:`.spconv_subm`); None for kernel size 1."""
+        if kernel_size == 1:
+            return None
+        from sparsepipe_hpc.engine.spconv_subm import subm_map
+
+        return subm_map(coords, spatial_shape, batch_size, kernel_size, dilation)
+
+    def forward(self, feats: torch.Tensor, weight: torch.Tensor, kmap: Any,
                 progress: Progress = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from sparsepipe_hpc.engine.spconv_subm import SubmMap, subm_forward
+
+        if isinstance(kmap, SubmMap):
+            y = subm_forward(feats, weight, kmap, progress)
+            return y if out is None else out.add_(y)
         if kmap.num_pairs == 0:
             return feats.new_zeros(kmap.n_out, weight.shape[0]) if out is None else out
+        work = native_dtype(feats.dtype, feats.device)
+        if work != feats.dtype:
+            y = self.forward(feats.to(work), weight.to(work), kmap, progress).to(feats.dtype)
+            return y if out is None else out.add_(y)
         pairs, counts = kmap.spconv_pairs()
         feats, weight = feats.contiguous(), weight.contiguous()
-        with single_thread(feats.device):
+        with spconv_call(feats.device):
             for part in _chunks(counts, progress):
                 y = self._ops.indice_conv(feats, weight, pairs, part, kmap.n_out, False, False)
                 out = y if out is None else out.add_(y)
@@ -81,17 +116,34 @@ class SpconvEngine(Engine):
         return out
 
     def backward(self, feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
-                 kmap: KernelMap, progress: Progress = None, need_input_grad: bool = True,
+                 kmap: Any, progress: Progress = None, need_input_grad: bool = True,
                  grad_in: Optional[torch.Tensor] = None
                  ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        from sparsepipe_hpc.engine.spconv_subm import SubmMap, subm_backward
+
+        if isinstance(kmap, SubmMap):
+            gi, gw = subm_backward(feats, weight, grad_out, kmap, progress,
+                                   need_input_grad or grad_in is not None)
+            if gi is not None and grad_in is not None:
+                gi = grad_in.add_(gi)
+            return (gi if need_input_grad or grad_in is not None else None), gw
         if kmap.num_pairs == 0:
             if grad_in is None and need_input_grad:
                 grad_in = feats.new_zeros(kmap.n_in, weight.shape[2])
             return grad_in, torch.zeros_like(weight)
+        work = native_dtype(feats.dtype, feats.device)
+        if work != feats.dtype:
+            gi, gw = self.backward(feats.to(work), weight.to(work), grad_out.to(work), kmap,
+                                   progress, need_input_grad)
+            gw = gw.to(weight.dtype)
+            if gi is None:
+                return None, gw
+            gi = gi.to(feats.dtype)
+            return (gi if grad_in is None else grad_in.add_(gi)), gw
         pairs, counts = kmap.spconv_pairs()
         feats, weight, grad_out = feats.contiguous(), weight.contiguous(), grad_out.contiguous()
         g_in = g_w = None
-        with single_thread(feats.device):
+        with spconv_call(feats.device):
             for part in _chunks(counts, progress):
                 gi, gw = self._ops.indice_conv_backward(feats, weight, grad_out, pairs, part,
                                                         False, False)

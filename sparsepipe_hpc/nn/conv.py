@@ -15,14 +15,14 @@ spatial context the layer runs distributed (sparsepipe_hpc.parallel.spatial) wit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from halo.kmap import KernelMap, kernel_map, output_coords
-from sparsepipe_hpc.engine import get_engine
+from sparsepipe_hpc.engine import Engine, get_engine
 from sparsepipe_hpc.nn.functional import sparse_conv
 from sparsepipe_hpc.sparse import SparseTensor
 
@@ -63,6 +63,25 @@ class ConvEntry:
     in_stride: int
     kmap: Optional[KernelMap] = None
     extra: object = None  # the distributed layer's plan and split maps
+    batch_size: int = 1
+    native: dict = field(default_factory=dict, repr=False)  # engine name -> its subm map or None
+
+    def local_map(self, engine: Engine) -> Any:
+        """The map a serial layer runs: for a submanifold convolution the engine's own
+        (:meth:`Engine.subm_map`, built once per engine), else the KernelMap (built on first use
+        when the engine has none)."""
+        s = self.spec
+        if s.subm:
+            if engine.name not in self.native:
+                self.native[engine.name] = engine.subm_map(self.in_coords, self.in_shape,
+                                                           self.batch_size, s.kernel_size,
+                                                           s.dilation)
+            if self.native[engine.name] is not None:
+                return self.native[engine.name]
+        if self.kmap is None:
+            self.kmap = kernel_map(self.in_coords, self.out_coords, s.kernel_size, s.stride,
+                                   s.padding, s.dilation)
+        return self.kmap
 
 
 class _SparseConvBase(nn.Module):
@@ -115,15 +134,16 @@ class _SparseConvBase(nn.Module):
             y = spatial.conv(self, x, engine)
         else:
             entry = self.entry(x)
-            if entry.kmap is None:
+            if entry.extra is not None:
                 raise ConvError(f"kernel map {self.indice_key or self.cache_key(x)!r} was built by "
                                 f"a spatially distributed layer, but this tensor has no spatial "
                                 f"context; run the whole network on tensors from one source")
-            kmap = entry.kmap.transpose() if self.transposed else entry.kmap
+            kmap = entry.local_map(engine)
+            kmap = kmap.transpose() if self.transposed else kmap
             feats = sparse_conv(x.feats, self.weight_matrix(), kmap, engine)
             y = self.output_tensor(x, entry, feats)
         if self.bias is not None:
-            y = y.replace(feats=y.feats + self.bias)
+            y = y.replace(feats=y.feats + self.bias.to(y.feats.dtype))
         return y
 
     def output_tensor(self, x: SparseTensor, entry: ConvEntry, feats: torch.Tensor) -> SparseTensor:
@@ -144,8 +164,12 @@ class _SparseConvBase(nn.Module):
             out_shape = s.out_shape(x.spatial_shape)
             out = x.coords if s.subm else output_coords(x.coords, s.kernel_size, s.stride,
                                                         s.padding, s.dilation, out_shape)
-            km = kernel_map(x.coords, out, s.kernel_size, s.stride, s.padding, s.dilation)
-            e = ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, km)
+            # A submanifold layer may run the engine's own map: its KernelMap is built on first
+            # use (local_map); a strided one's now, since its inverse and the pipeline read it.
+            km = None if s.subm else kernel_map(x.coords, out, s.kernel_size, s.stride,
+                                                s.padding, s.dilation)
+            e = ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, km,
+                          batch_size=x.batch_size)
             x.kmaps[key] = e
         elif e.in_coords.shape != x.coords.shape:
             raise ConvError(f"kernel map {key!r} was built for {len(e.in_coords)} voxels but the "

@@ -28,8 +28,8 @@ backward fetches those rows' gradients (the forward exchange).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, cast
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 
@@ -40,6 +40,7 @@ from halo.kmap import KernelMap, kernel_map, output_coords
 from halo.plan import build_plan, halo_radius
 from halo.transport.mpi import MPITransport
 from sparsepipe_hpc.engine.base import Engine
+from sparsepipe_hpc.nn.amp import autocast_inputs
 from sparsepipe_hpc.nn.conv import ConvEntry, inverse_entry
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.tracing import span
@@ -51,10 +52,36 @@ __all__ = ["SpatialGroup", "SpatialDomain"]
 class DistMaps:
     """A distributed convolution's split kernel maps and the exchange that feeds the halo rows."""
 
-    local: KernelMap          # local input rows -> local output rows
+    local_map: Optional[KernelMap]  # local input rows -> local output rows (None: built on use)
     halo: Optional[KernelMap]  # halo rows (0..H-1) -> local output rows; None: no halo
     exchange: Any = None
     group: Any = None          # the SpatialGroup, which keeps the exposed-wait clock
+    # A submanifold layer's local part is an ordinary submanifold convolution of this rank's
+    # voxels: (coords, spatial_shape, batch_size, kernel_size, dilation) to build the engine's
+    # own map of it (spconv: its indices and kernels, implicit GEMM on CUDA), once per engine.
+    subm: Optional[tuple] = None
+    native: dict = field(default_factory=dict, repr=False)
+
+    build_local: Optional[Callable[[], KernelMap]] = None
+
+    @property
+    def local(self) -> KernelMap:
+        """The local part's explicit pairs; built on first use when the engine's own map made
+        them unnecessary so far."""
+        if self.local_map is None:
+            assert self.build_local is not None
+            self.local_map = self.build_local()
+        return self.local_map
+
+    def local_for(self, engine: Engine) -> Any:
+        """The local part's map for ``engine``: its own submanifold map when it has one, else
+        :attr:`local` (the same pairs; tests/mpi/test_spatial_local.py proves them equal)."""
+        if self.subm is None:
+            return self.local
+        if engine.name not in self.native:
+            self.native[engine.name] = engine.subm_map(*self.subm)
+        m = self.native[engine.name]
+        return self.local if m is None else m
 
     def wait(self, pending: Any) -> Any:
         """Wait for an exchange, counting the time blocked as exposed communication."""
@@ -69,10 +96,13 @@ class SpatialGroup:
     """The ranks that share every sample of a replica: a Cartesian grid and its transport."""
 
     def __init__(self, comm: Any, dims: Sequence[int], transport: Any = None,
-                 overlap: bool = True):
+                 overlap: bool = True, native_local: bool = True):
         self.grid = ProcessGrid(comm, dims)
         self.transport = transport if transport is not None else MPITransport(self.grid.comm)
         self.overlap = overlap
+        # Submanifold layers' local parts through the engine's own map (False: our KernelMap
+        # for every part, the path before; kept for the equality tests and the benchmark).
+        self.native_local = native_local
         self.exposed_wait_s = 0.0  # time blocked in exchange waits (what overlap did not hide)
 
     def decompose(self, x: SparseTensor, align: int = 1, balanced: bool = True,
@@ -124,11 +154,13 @@ class SpatialDomain:
         if layer.transposed:
             entry = inverse_entry(layer, x)
             maps = cast(DistMaps, entry.extra)
-            feats = _DistConv.apply(x.feats, layer.weight_matrix(), maps, engine,
+            f, w = autocast_inputs(x.feats, layer.weight_matrix())
+            feats = _DistConv.apply(f, w, maps, engine,
                                     self.group.overlap, True)
             return layer.output_tensor(x, entry, feats)
         built = self.entry(layer, x)
-        feats = _DistConv.apply(x.feats, layer.weight_matrix(), built.extra, engine,
+        f, w = autocast_inputs(x.feats, layer.weight_matrix())
+        feats = _DistConv.apply(f, w, built.extra, engine,
                                 self.group.overlap, False)
         return layer.output_tensor(x, built, feats)
 
@@ -157,12 +189,28 @@ class SpatialDomain:
         else:  # every input an output of this box reads is in the box (stride-aligned cuts)
             out = output_coords(x.coords, *geometry, out_shape)
             out = out[self.owned_rows(out, stride=x.stride * s.stride)]
+        # A submanifold layer's local part usually runs on the engine's own map (DistMaps.subm):
+        # its explicit local pairs are then built only if an engine without one asks.
+        native = s.subm and self.group.native_local
+        coords = x.coords
+
+        def build_local() -> KernelMap:
+            return kernel_map(coords, out, *geometry)
+
         if plan is None or not (plan.send_ranks or plan.recv_ranks):
             # Nothing to exchange on this rank, and so no peer waits for it either.
-            maps = DistMaps(kernel_map(x.coords, out, *geometry), None)
+            maps = DistMaps(None if native else build_local(), None, build_local=build_local)
+        elif native:
+            # The halo pairs alone: a lookup of the outputs' stencils among the halo voxels gives
+            # exactly the halo half of the split map (each output has one input per offset).
+            halo = kernel_map(plan.halo_coords, out, *geometry)
+            maps = DistMaps(None, halo, HaloExchange(plan, self.group.transport), self.group,
+                            build_local=build_local)
         else:
             local, halo = plan.kernel_maps(x.coords, out, *geometry)
             maps = DistMaps(local, halo, HaloExchange(plan, self.group.transport), self.group)
+        if native:
+            maps.subm = (x.coords, x.spatial_shape, x.batch_size, s.kernel_size, s.dilation)
         return ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, None, maps)
 
 
@@ -173,7 +221,7 @@ class _DistConv(torch.autograd.Function):
     def forward(ctx, feats, weight, maps: DistMaps, engine: Engine, overlap: bool,
                 transposed: bool):
         ctx.maps, ctx.engine, ctx.overlap, ctx.transposed = maps, engine, overlap, transposed
-        local = maps.local.transpose() if transposed else maps.local
+        local = maps.local.transpose() if transposed else maps.local_for(engine)
         if maps.halo is None:
             ctx.save_for_backward(feats, weight, None)
             return engine.forward(feats, weight, local)
@@ -198,7 +246,7 @@ class _DistConv(torch.autograd.Function):
         feats, weight, halo = ctx.saved_tensors
         maps, engine, overlap = ctx.maps, ctx.engine, ctx.overlap
         grad_out = grad_out.contiguous()
-        local = maps.local.transpose() if ctx.transposed else maps.local
+        local = maps.local.transpose() if ctx.transposed else maps.local_for(engine)
         if maps.halo is None:
             g_in, g_w = engine.backward(feats, weight, grad_out, local)
             return g_in, g_w, None, None, None, None

@@ -1,0 +1,342 @@
+"""GPU benchmark: the project's U-Net against the same U-Net written with spconv's layers (issue 10).
+
+    python -m sparsepipe_hpc.bench gpu --json gpu.json                  # the issue's scene, CUDA
+    python -m sparsepipe_hpc.bench gpu --device cpu --rooms 1 --voxel-size 0.2 --width 4 \\
+        --depth 2 --points 20000 --layer-channels 8 --repeats 1          # a smoke run on a CPU
+
+Side by side in one run, on one device, every step a forward + backward from fresh coordinates
+(kernel maps included, as in training), timed with CUDA events after a synchronize (wall clock
+on a CPU), median of ``--repeats`` after a warm-up:
+
+  steps        per precision (fp32, and fp16/bf16 under torch.autocast): the plain spconv U-Net
+               (:mod:`.spconv_unet`), ``SparseUNet`` on one rank, and the distributed model on a
+               1x1x1 grid (every layer through the spatial path, empty exchanges); step time and
+               peak device memory, and each one's ratio to plain spconv (the issue's target:
+               <= 1.10 in time and memory).
+  layer        one submanifold 3x3x3 layer, C -> C channels, forward + backward on the scene's
+               voxels: project layer, spconv's ``SubMConv3d``, and ``torch.mm`` of the same GEMM
+               shapes ([N, 27 C] x [27 C, C] and its two gradients); TFLOP/s of useful work
+               (2 * pairs * C * C per GEMM pass, three passes).
+  kernel_maps  index building for the whole U-Net: the project's (spconv's submanifold indices
+               plus own strided maps) versus spconv's own, and the explicit-pair submanifold maps
+               the local path no longer needs.
+
+Defaults are the issue's scene: four synthetic rooms at 2 cm (issue 10 measured 1.78 M voxels),
+width 32, depth 4. On a CPU everything runs (``--device cpu``) at whatever size is asked, so a test
+checks the JSON's structure; its figures say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from sparsepipe_hpc.bench.common import environment, write_json
+from sparsepipe_hpc.sparse import SparseTensor
+
+__all__ = ["main", "build_parser", "synthetic_rooms", "time_step"]
+
+PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def synthetic_rooms(rooms: int, voxel_size: float, points: int, seed: int = 0,
+                    size: tuple[float, float, float] = (6.0, 6.0, 3.0)) -> SparseTensor:
+    """``rooms`` furnished synthetic rooms voxelized into one batch (3 colour channels)."""
+    from sparsepipe_hpc.data.synth import make_room
+    from sparsepipe_hpc.voxelize import voxelize
+
+    rng = np.random.default_rng(seed)
+    clouds = [make_room(rng, size=size, points=(points, points))[:2] for _ in range(rooms)]
+    lo = np.min([xyz.min(0) for xyz, _ in clouds], 0) - voxel_size
+    hi = np.max([xyz.max(0) for xyz, _ in clouds], 0)
+    shape = np.ceil((hi - lo) / voxel_size).astype(int) + 1
+    shape = (np.ceil(shape / 16) * 16).astype(int)
+    vox = [voxelize(xyz, rgb.astype(np.float32) / 255.0, voxel_size, lo, shape)
+           for xyz, rgb in clouds]
+    return SparseTensor.from_voxels(vox, shape)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(fn: Callable[[], Any], device: torch.device, repeats: int,
+              warmup: int = 1) -> dict[str, Any]:
+    """Median and min seconds of ``fn`` (CUDA events on a GPU) and the peak device memory."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats,
+            "peak_bytes": peak}
+
+
+def _autocast(device: torch.device, dtype: Optional[torch.dtype]) -> Any:
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def _steps(x: SparseTensor, args: Any, device: torch.device,
+           dtype: Optional[torch.dtype]) -> dict[str, Any]:
+    from mpi4py import MPI
+
+    from sparsepipe_hpc.bench.spconv_unet import SpconvUNet
+    from sparsepipe_hpc.nn import SparseUNet
+    from sparsepipe_hpc.parallel.context import ParallelContext
+    from sparsepipe_hpc.parallel.layout import RankLayout
+
+    classes = 8
+    torch.manual_seed(0)
+    plain = SpconvUNet(x.num_channels, classes, args.width, args.depth, device).to(device)
+    ours = SparseUNet(x.num_channels, classes, width=args.width, depth=args.depth).to(device)
+    ctx = ParallelContext(MPI.COMM_SELF, RankLayout(1, 1, (1, 1, 1)), force_spatial=True)
+
+    def plain_step() -> None:
+        plain.zero_grad(set_to_none=True)
+        with _autocast(device, dtype):
+            y = plain(x.to_spconv()).features
+        y.float().square().mean().backward()
+
+    def ours_step() -> None:
+        ours.zero_grad(set_to_none=True)
+        with _autocast(device, dtype):
+            y = ours(x.replace(kmaps={})).feats
+        y.float().square().mean().backward()
+
+    def dist_step() -> None:
+        ours.zero_grad(set_to_none=True)
+        xl, = ctx.distribute(x.replace(kmaps={}), align=ours.total_stride)
+        with _autocast(device, dtype):
+            y = ours(xl).feats
+        y.float().square().mean().backward()
+
+    out: dict[str, Any] = {}
+    runs = [("sparseunet", ours_step), ("distributed_1x1x1", dist_step)]
+    if _spconv_runs(device, dtype):
+        runs.insert(0, ("spconv_unet", plain_step))
+    else:
+        out["spconv_unet"] = {"skipped": SKIP_CPU_AUTOCAST}
+    for name, fn in runs:
+        out[name] = time_step(fn, device, args.repeats)
+    base = out["spconv_unet"]
+    for name in ("sparseunet", "distributed_1x1x1"):
+        if "median_s" in base:
+            out[f"time_ratio_{name}_over_spconv"] = out[name]["median_s"] / base["median_s"]
+        if base.get("peak_bytes"):
+            out[f"memory_ratio_{name}_over_spconv"] = out[name]["peak_bytes"] / base["peak_bytes"]
+    return out
+
+
+SKIP_CPU_AUTOCAST = ("spconv's own layers fail under CPU autocast (their torch.mm into a float32 "
+                     "buffer comes back in the autocast dtype); they run it on CUDA")
+
+
+def _spconv_runs(device: torch.device, dtype: Optional[torch.dtype]) -> bool:
+    return device.type == "cuda" or dtype is None
+
+
+def _layer(x: SparseTensor, c: int, args: Any, device: torch.device,
+           dtype: Optional[torch.dtype]) -> dict[str, Any]:
+    """One submanifold 3x3x3 layer c -> c, fwd+bwd: project, spconv, and torch.mm's shapes."""
+    import spconv.pytorch as sp
+
+    from halo.kmap import kernel_map
+    from sparsepipe_hpc.bench.spconv_unet import _algo
+    from sparsepipe_hpc.nn import SubMConv3d
+
+    n = x.num_voxels
+    pairs = kernel_map(x.coords, x.coords, 3, 1, 1, 1).num_pairs
+    feats = torch.randn(n, c, device=device)
+    xs = x.replace(feats=feats, kmaps={})
+    torch.manual_seed(0)
+    ours = SubMConv3d(c, c, 3).to(device)
+    ref = sp.SubMConv3d(c, c, 3, padding=1, bias=False, indice_key="l", algo=_algo(device))
+    ref = ref.to(device)
+    grad = torch.randn(n, c, device=device)
+
+    def ours_fn() -> None:
+        f = feats.clone().requires_grad_()
+        with _autocast(device, dtype):
+            y = ours(xs.replace(feats=f)).feats
+        y.backward(grad.to(y.dtype))
+
+    st = sp.SparseConvTensor(feats, x.coords, list(x.spatial_shape), x.batch_size)
+    with torch.no_grad():
+        ref(st)  # builds and keeps the indices under key "l", as ours keeps its map on xs
+
+    def ref_fn() -> None:
+        f = feats.clone().requires_grad_()
+        with _autocast(device, dtype):
+            y = ref(st.replace_feature(f)).features
+        y.backward(grad.to(y.dtype))
+
+    mm_dtype = dtype or torch.float32
+    a = torch.randn(n, 27 * c, device=device, dtype=mm_dtype)
+    b = torch.randn(27 * c, c, device=device, dtype=mm_dtype)
+    g = torch.randn(n, c, device=device, dtype=mm_dtype)
+
+    def mm_fn() -> None:
+        torch.mm(a, b)
+        torch.mm(a.t(), g)
+        torch.mm(g, b.t())
+
+    useful = 3 * 2 * pairs * c * c
+    dense = 3 * 2 * n * 27 * c * c
+    out: dict[str, Any] = {"channels": c, "voxels": n, "pairs": pairs,
+                           "useful_flop": useful, "dense_flop": dense}
+    for name, fn, flop in (("project", ours_fn, useful), ("spconv", ref_fn, useful),
+                           ("torch_mm", mm_fn, dense)):
+        if name == "spconv" and not _spconv_runs(device, dtype):
+            out[name] = {"skipped": SKIP_CPU_AUTOCAST}
+            continue
+        t = time_step(fn, device, args.repeats)
+        t["tflops"] = flop / t["median_s"] / 1e12
+        out[name] = t
+    return out
+
+
+def _kernel_maps(x: SparseTensor, depth: int, device: torch.device, repeats: int
+                 ) -> dict[str, Any]:
+    """Index building for a U-Net of ``depth`` levels: project versus spconv."""
+    from spconv.core import ConvAlgo
+    from spconv.pytorch import ops
+
+    from halo.kmap import kernel_map, output_coords
+    from sparsepipe_hpc.engine.spconv_engine import patch_spconv
+    from sparsepipe_hpc.engine.spconv_subm import subm_map
+
+    patch_spconv()
+    cuda = device.type == "cuda"
+
+    def levels() -> list[tuple[torch.Tensor, list[int]]]:
+        out, coords, shape = [], x.coords, list(x.spatial_shape)
+        for _ in range(depth + 1):
+            out.append((coords, shape))
+            nxt = [s // 2 for s in shape]
+            coords = output_coords(coords, 2, 2, 0, 1, nxt)
+            shape = nxt
+        return out
+
+    lv = levels()
+
+    def project() -> None:
+        for i, (c, shape) in enumerate(lv):
+            subm_map(c, shape, x.batch_size, 3, 1)
+            if i < depth:
+                nxt = [s // 2 for s in shape]
+                kernel_map(c, output_coords(c, 2, 2, 0, 1, nxt), 2, 2, 0, 1)
+
+    def explicit_subm() -> None:
+        for c, _ in lv:
+            kernel_map(c, c, 3, 1, 1, 1)
+
+    def spconv_own() -> None:
+        for i, (c, shape) in enumerate(lv):
+            for subm, ks, st in ((True, 3, 1), (False, 2, 2)) if i < depth else ((True, 3, 1),):
+                args = (c, x.batch_size, shape)
+                geo = dict(ksize=[ks] * 3, stride=[st] * 3, padding=[0] * 3, dilation=[1] * 3,
+                           out_padding=[0] * 3, subm=subm, transpose=False)
+                if cuda:
+                    ops.get_indice_pairs_implicit_gemm(*args, ConvAlgo.MaskImplicitGemm,
+                                                       is_train=True, **geo)
+                else:
+                    ops.get_indice_pairs(*args, ConvAlgo.Native, geo["ksize"], geo["stride"],
+                                         geo["padding"], geo["dilation"], geo["out_padding"],
+                                         subm, False)
+
+    out: dict[str, Any] = {}
+    for name, fn in (("project", project), ("spconv", spconv_own),
+                     ("explicit_subm_maps", explicit_subm)):
+        out[name] = time_step(fn, device, repeats)
+    out["ratio_project_over_spconv"] = out["project"]["median_s"] / out["spconv"]["median_s"]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench gpu")
+    p.add_argument("--json")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--rooms", type=int, default=4)
+    p.add_argument("--voxel-size", type=float, default=0.02)
+    p.add_argument("--points", type=int, default=2_000_000, help="points per room")
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--layer-channels", type=int, default=64)
+    p.add_argument("--precisions", default=None,
+                   help="comma-separated (default fp32,fp16; spconv has no bfloat16 CPU kernels)")
+    p.add_argument("--repeats", type=int, default=5)
+    return p
+
+
+def main(argv: list[str]) -> None:
+    p = build_parser()
+    args = p.parse_args(argv)
+
+    from sparsepipe_hpc.train.device import resolve_device
+
+    device = resolve_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # spconv's CPU kernels race with more
+    precisions = args.precisions or "fp32,fp16"
+    names = [s.strip() for s in precisions.split(",") if s.strip()]
+    bad = [s for s in names if s not in PRECISIONS]
+    if bad:
+        p.error(f"--precisions: unknown {bad}; choose from {sorted(PRECISIONS)}")
+
+    x = synthetic_rooms(args.rooms, args.voxel_size, args.points)
+    x = x.replace(coords=x.coords.to(device), feats=x.feats.to(device))
+    print(f"{args.rooms} room(s) at {args.voxel_size} m: {x.num_voxels} voxels, grid "
+          f"{x.spatial_shape}; U-Net width {args.width} depth {args.depth}; device {device}")
+    result: dict[str, Any] = {
+        "env": environment(), "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "scene": {"rooms": args.rooms, "voxel_size": args.voxel_size, "points": args.points,
+                  "voxels": x.num_voxels, "spatial_shape": list(x.spatial_shape),
+                  "width": args.width, "depth": args.depth},
+        "targets": {"time_ratio_max": 1.10, "memory_ratio_max": 1.10},
+        "steps": {}, "layer": {}}
+    for name in names:
+        steps = result["steps"][name] = _steps(x, args, device, PRECISIONS[name])
+        for net in ("spconv_unet", "sparseunet", "distributed_1x1x1"):
+            t = steps[net]
+            if "skipped" in t:
+                print(f"{name} step {net:18s} skipped: {t['skipped']}")
+                continue
+            mem = f", peak {t['peak_bytes'] / 2**30:.2f} GiB" if t["peak_bytes"] else ""
+            print(f"{name} step {net:18s} {t['median_s']:8.3f} s{mem}")
+        if "time_ratio_distributed_1x1x1_over_spconv" in steps:
+            print(f"{name} distributed / spconv: time "
+                  f"{steps['time_ratio_distributed_1x1x1_over_spconv']:.2f}")
+        layer = result["layer"][name] = _layer(x, args.layer_channels, args, device,
+                                               PRECISIONS[name])
+        for net in ("project", "spconv", "torch_mm"):
+            t = layer[net]
+            if "skipped" in t:
+                continue
+            print(f"{name} layer {args.layer_channels}->{args.layer_channels} {net:8s} "
+                  f"{t['median_s'] * 1e3:8.2f} ms {t['tflops']:8.3f} TFLOP/s")
+    km = result["kernel_maps"] = _kernel_maps(x, args.depth, device, args.repeats)
+    print(f"kernel maps: project {km['project']['median_s'] * 1e3:.1f} ms, spconv "
+          f"{km['spconv']['median_s'] * 1e3:.1f} ms, explicit subm maps "
+          f"{km['explicit_subm_maps']['median_s'] * 1e3:.1f} ms")
+    write_json(args.json, result)

@@ -1,0 +1,87 @@
+"""``bench gpu`` runs end to end on a CPU at a tiny size and writes the JSON the issue's table
+needs (structure only: the figures measure the machine, and a CPU says nothing about a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsepipe_hpc.bench.gpu import synthetic_rooms
+from sparsepipe_hpc.bench.spconv_unet import SpconvUNet
+from sparsepipe_hpc.nn import SparseUNet
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--rooms", "1", "--voxel-size", "0.2", "--width", "4", "--depth", "2", "--points",
+        "20000", "--layer-channels", "8", "--repeats", "1"]
+
+
+def test_reference_unet_is_sparseunets_architecture():
+    """The plain spconv U-Net does the same arithmetic: same parameter count, same output rows."""
+    x = synthetic_rooms(1, 0.2, 20000)
+    ref = SpconvUNet(3, 8, width=4, depth=2)
+    ours = SparseUNet(3, 8, width=4, depth=2)
+    assert sum(p.numel() for p in ref.parameters()) == sum(p.numel() for p in ours.parameters())
+    y = ref(x.to_spconv())
+    assert y.features.shape == (x.num_voxels, 8) and torch.equal(y.indices, x.coords)
+
+
+def run(args, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "sparsepipe_hpc.bench", "gpu", *args],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = run(["--device", "cpu", *TINY, "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["device"] == "cpu" and r["scene"]["voxels"] > 0
+    assert r["targets"] == {"time_ratio_max": 1.10, "memory_ratio_max": 1.10}
+    assert set(r["steps"]) == {"fp32", "fp16"} and set(r["layer"]) == {"fp32", "fp16"}
+    fp32 = r["steps"]["fp32"]
+    for net in ("spconv_unet", "sparseunet", "distributed_1x1x1"):
+        assert fp32[net]["median_s"] > 0 and fp32[net]["peak_bytes"] is None  # no device memory
+    assert fp32["time_ratio_distributed_1x1x1_over_spconv"] > 0
+    assert "skipped" in r["steps"]["fp16"]["spconv_unet"]  # spconv has no CPU autocast path
+    assert r["steps"]["fp16"]["sparseunet"]["median_s"] > 0
+    layer = r["layer"]["fp32"]
+    assert layer["pairs"] > layer["voxels"] > 0
+    for net in ("project", "spconv", "torch_mm"):
+        assert layer[net]["tflops"] > 0
+    km = r["kernel_maps"]
+    assert km["project"]["median_s"] > 0 and km["spconv"]["median_s"] > 0
+
+
+def test_defaults_are_the_issues_scene(monkeypatch):
+    """Four synthetic rooms at 2 cm (issue 10: 1.78 M voxels), width 32, depth 4."""
+    from sparsepipe_hpc.bench import gpu
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_rooms(rooms, voxel_size, points):
+        seen.update(rooms=rooms, voxel_size=voxel_size)
+        raise Stop
+
+    monkeypatch.setattr(gpu, "synthetic_rooms", fake_rooms)
+    with pytest.raises(Stop):
+        gpu.main(["--device", "cpu"])
+    assert seen == {"rooms": 4, "voxel_size": 0.02}
+    defaults = {a.dest: a.default for a in gpu.build_parser()._actions}
+    assert defaults["width"] == 32 and defaults["depth"] == 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_a_clear_error(tmp_path):
+    proc = run(["--device", "cuda", *TINY], tmp_path)
+    assert proc.returncode != 0
+    assert "--device cuda: torch sees no CUDA device" in proc.stderr
