@@ -25,7 +25,8 @@ Rank ``r`` sits on node ``r // ranks_per_node`` (block placement, as mpirun and 
 by default). ``cores_per_node`` (absent: every rank has a device of its own, as GPUs do)
 describes CPU ranks that share a node's cores: more ranks than cores run at a share of one
 (:meth:`Machine.core_share`). With a single ``device_speed``/``device_memory`` the machine
-describes any number of ranks, which is how the planner extrapolates to node counts this machine does not have.
+describes any number of ranks, which is how the planner extrapolates to node counts this
+machine does not have.
 """
 
 from __future__ import annotations
