@@ -123,6 +123,10 @@ def test_machine_cores_round_trip_and_errors(tmp_path):
     with pytest.raises(MachineError, match="cores_per_node is 0; it must be a whole number"):
         Machine.uniform(2, 2, cores_per_node=0)
     assert math.isinf(m.devices[0].memory)
+    (tmp_path / "bad.toml").write_text('cores_per_node = "two"\n')
+    with pytest.raises(MachineError, match="bad.toml'?: cores_per_node is 'two'; it must be a "
+                                           "whole number >= 1"):
+        load_machine(tmp_path / "bad.toml")
 
 
 def test_node_cores_is_the_union_of_the_nodes_cpu_sets():

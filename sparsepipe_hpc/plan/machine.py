@@ -218,14 +218,14 @@ def _from_dict(d: dict[str, Any], where: str, ranks: Optional[int]) -> Machine:
         rpn = int(d.get("ranks_per_node", n))
         speeds = parse_numbers(f"{where}: device_speed", d.get("device_speed", 1.0), n)
         mems = parse_numbers(f"{where}: device_memory", d.get("device_memory", math.inf), n)
-        cores = d.get("cores_per_node")
         return Machine.build(speeds, mems, rpn, intra, inter, bool(d.get("measured", False)),
-                             None if cores is None else int(cores))
+                             d.get("cores_per_node"))   # build checks it
     except (TypeError, ValueError) as e:
         if isinstance(e, MachineError) and where in str(e):
             raise
         raise MachineError(f"{where}: {e}; see python -m sparsepipe_hpc.plan --help for the "
-                           f"keys (ranks_per_node, device_speed, device_memory, links)") from None
+                           f"keys (ranks_per_node, device_speed, device_memory, cores_per_node, "
+                           f"links)") from None
 
 
 def load_machine(path: Union[str, os.PathLike[str]], ranks: Optional[int] = None) -> Machine:
