@@ -24,6 +24,16 @@ For slab grids (n, 1, 1) this balances the voxel count up to one unit's worth pe
 and 3-D grids the axes are cut independently (a tensor-product decomposition), which balances the
 marginals but not every box; ``balanced_cuts(..., method="minmax")`` (:mod:`halo.balance`)
 minimises the fullest box instead. Figures: the load-balance table of ``sparsepipe_hpc.bench.halo``.
+
+Weighted cuts, for devices of unequal speed: ``weights[a]`` gives each box along axis ``a`` a
+share of the voxels proportional to its weight (cut ``i`` at ``T * sum(w[:i]) / sum(w)``), so a
+rank twice as slow can own half as many voxels::
+
+    cuts = balanced_cuts(comm, xyz, extent, (2, 1, 1), align=8, weights=[[2, 1], None, None])
+    # box 0 gets ~2/3 of the voxels, box 1 ~1/3 (``None``: equal weights on that axis)
+
+On 2-D and 3-D grids the weights are per axis (a box's share is the product of its slabs'
+shares), so they suit speeds that vary along one axis, e.g. slower nodes holding a slab.
 """
 
 from __future__ import annotations
@@ -262,9 +272,12 @@ def _plateau_mid(cs: np.ndarray, b: int) -> int:
     return (lo + hi) // 2
 
 
-def _quantile_axis(hist: np.ndarray, n: int, min_units: int) -> np.ndarray:
-    """Unit positions [n + 1] of quantile cuts: each box >= min_units units, cut nearest i*T/n."""
+def _quantile_axis(hist: np.ndarray, n: int, min_units: int,
+                   weights: Optional[Sequence[float]] = None) -> np.ndarray:
+    """Unit positions [n + 1] of quantile cuts: each box >= min_units units, cut nearest i*T/n
+    (with ``weights``: nearest ``T * sum(weights[:i]) / sum(weights)``)."""
     units = len(hist)
+    cum = None if weights is None else np.cumsum(np.asarray(weights, np.float64))
     if n == 1:
         return np.array([0, units], np.int64)
     total = int(hist.sum())
@@ -273,7 +286,7 @@ def _quantile_axis(hist: np.ndarray, n: int, min_units: int) -> np.ndarray:
     cs = np.concatenate([[0], np.cumsum(hist)])
     pos = [0]
     for i in range(1, n):
-        t = i * total / n
+        t = i * total / n if cum is None else total * float(cum[i - 1] / cum[-1])
         b = int(np.searchsorted(cs, t, side="left"))
         if b > 0 and abs(cs[b - 1] - t) <= abs(cs[min(b, units)] - t):
             b -= 1
@@ -286,15 +299,41 @@ def _quantile_axis(hist: np.ndarray, n: int, min_units: int) -> np.ndarray:
     return np.array(pos, np.int64)
 
 
+def _check_weights(weights: Optional[Sequence[Optional[Sequence[float]]]],
+                   dims: Sequence[int]) -> list[Optional[list[float]]]:
+    """Per axis None or ``dims[a]`` finite weights > 0; CutError naming the axis otherwise."""
+    if weights is None:
+        return [None, None, None]
+    if len(weights) != 3:
+        raise CutError(f"weights has {len(weights)} entries; give one per axis (x, y, z), each "
+                       f"None or one weight per box along it")
+    out: list[Optional[list[float]]] = []
+    for a, w in enumerate(weights):
+        if w is None:
+            out.append(None)
+            continue
+        vals = [float(v) for v in w]
+        if len(vals) != dims[a] or not all(np.isfinite(v) and v > 0 for v in vals):
+            raise CutError(f"weights[{a}] ({AXES[a]}) is {list(w)}; it must hold {dims[a]} "
+                           f"finite numbers > 0, one per box along {AXES[a]} (e.g. the speeds "
+                           f"of the ranks there)")
+        out.append(vals)
+    return out
+
+
 def cuts_from_histograms(hists: Sequence[np.ndarray], extent: Sequence[int], dims: Sequence[int],
-                         align: int = 1, min_width: Optional[int] = None) -> Cuts:
+                         align: int = 1, min_width: Optional[int] = None,
+                         weights: Optional[Sequence[Optional[Sequence[float]]]] = None) -> Cuts:
     """Quantile cuts from per-axis histograms (pure; :func:`balanced_cuts` all-reduces them first).
 
     hists: 3 int arrays [ceil(extent[a] / align)], voxel counts per unit of ``align`` voxels.
     Every box is at least ``min_width`` voxels wide (rounded up to whole units; the last box may
     be shorter only by the part of a unit the extent lacks). With no voxels: uniform cuts.
+    weights: per axis None (equal shares) or ``dims[a]`` weights > 0, box ``i`` getting a share
+    of the voxels proportional to ``weights[a][i]`` (see the module).
     """
     e, d = _check_extent_dims(extent, dims, align)
+    w = _check_weights(weights, d)
     min_width = align if min_width is None else int(min_width)
     if min_width < 1:
         raise CutError(f"min_width is {min_width}; it must be a positive number of voxels")
@@ -306,7 +345,7 @@ def cuts_from_histograms(hists: Sequence[np.ndarray], extent: Sequence[int], dim
         if len(h) != units:
             raise CutError(f"histogram {a} ({AXES[a]}) has {len(h)} bins; extent {e[a]} at align "
                            f"{align} needs {units}")
-        pos = _quantile_axis(h, d[a], m) * align
+        pos = _quantile_axis(h, d[a], m, w[a]) * align
         pos[-1] = e[a]
         bounds.append(pos)
     return Cuts(tuple(bounds), align)  # type: ignore[arg-type]
@@ -314,7 +353,8 @@ def cuts_from_histograms(hists: Sequence[np.ndarray], extent: Sequence[int], dim
 
 def balanced_cuts(comm: "MPI.Intracomm", xyz: ArrayLike, extent: Sequence[int],
                   dims: Sequence[int], align: int = 1, min_width: Optional[int] = None,
-                  method: str = "quantile") -> Cuts:
+                  method: str = "quantile",
+                  weights: Optional[Sequence[Optional[Sequence[float]]]] = None) -> Cuts:
     """Load-balanced cuts from the voxels of all ranks (collective over ``comm``).
 
     xyz: int [N, 3] level-0 voxel coordinates this rank contributes; over ``comm`` each voxel is
@@ -322,7 +362,9 @@ def balanced_cuts(comm: "MPI.Intracomm", xyz: ArrayLike, extent: Sequence[int],
     [0, extent) raise CutError on every rank. method: ``"quantile"`` (per-axis histograms,
     :func:`cuts_from_histograms`; a few KiB to all-reduce) or ``"minmax"`` (a binned 3-D
     histogram of up to 2 MiB, :func:`halo.balance.minmax_cuts`: balances the fullest box of 2-D and
-    3-D grids much better, see the module docstring).
+    3-D grids much better, see the module docstring). weights: per-axis box weights for
+    unequal devices (quantile only; see the module); checked on every rank before the
+    all-reduce, so a bad one raises CutError everywhere.
     """
     from mpi4py import MPI
 
@@ -331,6 +373,9 @@ def balanced_cuts(comm: "MPI.Intracomm", xyz: ArrayLike, extent: Sequence[int],
     if method not in ("quantile", "minmax"):
         raise CutError(f"balanced_cuts: method is {method!r}; use 'quantile' or 'minmax'")
     e, d = _check_extent_dims(extent, dims, align)
+    w = _check_weights(weights, d)
+    if method != "quantile" and any(v is not None for v in w):
+        raise CutError(f"balanced_cuts: weights need method='quantile'; got method {method!r}")
     if method == "quantile":
         sizes = [_ceil_div(v, align) for v in e]
     else:
@@ -357,4 +402,4 @@ def balanced_cuts(comm: "MPI.Intracomm", xyz: ArrayLike, extent: Sequence[int],
     if method == "minmax":
         return balance.minmax_cuts(buf[:-1].reshape(shape), widths, e, d, align, min_width)
     hists = np.split(buf[:-1], np.cumsum(sizes)[:-1])
-    return cuts_from_histograms(hists, e, d, align, min_width)
+    return cuts_from_histograms(hists, e, d, align, min_width, w)

@@ -152,3 +152,36 @@ def test_quantile_cuts_respect_min_width_and_split_empty_space():
     assert cuts_from_histograms(gap, (8, 1, 1), (2, 1, 1)).bounds[0].tolist() == [0, 4, 8]
     with pytest.raises(CutError, match="too few for 3 boxes of at least 32 voxels"):
         cuts_from_histograms(hist, (80, 16, 4), (3, 1, 1), align=4, min_width=32)
+
+
+def test_weighted_cuts_give_shares_proportional_to_the_weights():
+    # 120 voxels, one per unit of x: weights 2 : 1 cut at 80 (2/3), weights 1 : 1 : 2 at 30, 60.
+    hists = [np.ones(120, np.int64), np.array([120]), np.array([120])]
+    c = cuts_from_histograms(hists, (120, 1, 1), (2, 1, 1), weights=[[2, 1], None, None])
+    assert c.bounds[0].tolist() == [0, 80, 120]
+    c = cuts_from_histograms(hists, (120, 1, 1), (3, 1, 1), weights=[[1.0, 1.0, 2.0], None, None])
+    assert c.bounds[0].tolist() == [0, 30, 60, 120]
+    # Equal weights are the unweighted cuts, on a lumpy cloud too.
+    xyz = np.random.default_rng(3).integers(0, (64, 48, 32), size=(3000, 3)) ** 2 // (64, 48, 32)
+    h = axis_histograms(xyz, (64, 48, 32), 4)
+    plain = cuts_from_histograms(h, (64, 48, 32), (4, 3, 2), 4)
+    same = cuts_from_histograms(h, (64, 48, 32), (4, 3, 2), 4, weights=[[3] * 4, [1] * 3, None])
+    assert all(np.array_equal(p, q) for p, q in zip(plain.bounds, same.bounds))
+
+
+def test_weighted_cuts_respect_alignment_and_min_width():
+    hists = [np.ones(16, np.int64), np.array([8]), np.array([8])]   # 16 units of 8 voxels
+    c = cuts_from_histograms(hists, (128, 8, 8), (2, 1, 1), 8, weights=[[1000, 1], None, None])
+    assert c.bounds[0].tolist() == [0, 120, 128]   # the light box keeps its one unit
+
+
+@pytest.mark.parametrize("weights, msg", [
+    ([[1, 1]], "weights has 1 entries; give one per axis"),
+    ([[1, 1, 1], None, None], r"weights\[0\] \(x\) is \[1, 1, 1\]; it must hold 2 finite"),
+    ([None, [0.0], None], r"weights\[1\] \(y\) is \[0.0\]; it must hold 1 finite numbers > 0"),
+    ([[1, float("nan")], None, None], "finite numbers > 0"),
+])
+def test_weighted_cuts_refuse_bad_weights(weights, msg):
+    hists = [np.ones(16, np.int64), np.array([8]), np.array([8])]
+    with pytest.raises(CutError, match=msg):
+        cuts_from_histograms(hists, (16, 8, 8), (2, 1, 1), weights=weights)

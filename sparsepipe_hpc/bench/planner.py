@@ -13,9 +13,15 @@
    (voxelized once, outside the timing: the planner does not model input; its kernel maps dropped
    before every step, so each step builds them as a real one does), ``--warmup`` + ``--steps``
    times between barriers; the measured step is the median. The prediction is
-   :func:`~sparsepipe_hpc.plan.search.evaluate` of the same layout, voxels per sample = the batch's
-   mean. CPU ranks beyond this machine's cores share them: the machine model then gives each rank
-   speed ``cores / N`` (said in the output).
+   :func:`~sparsepipe_hpc.plan.search.evaluate` of the same layout, told what the batch holds
+   (from its coordinates, nothing timed; :func:`_inputs`): voxels per sample of the fullest
+   replica (replicas wait for each other), and the box imbalance of the trainer's balanced cuts
+   on the plan's grid for the worst micro-batch (:func:`~sparsepipe_hpc.plan.split.box_imbalance`).
+   ``predicted_mean_s`` is the same prediction from the batch's mean voxels per sample and
+   perfectly balanced boxes, as a user who knows only the mean would get.
+   The machine model knows this machine's cores (``cores_per_node``): CPU ranks beyond them share
+   them, and ranks idle in a pipeline bubble leave theirs to the busy ones
+   (:meth:`~sparsepipe_hpc.plan.machine.Machine.core_share`).
 3. Heterogeneous devices: 2 ranks, 2 stages, 4 micro-batches, rank 1 slowed by ``--slow-factor``
    (every forward and backward of its stage sleeps ``(f - 1)`` times its own duration: a device
    ``f`` times slower). The planner's partition for speeds ``(1, 1/f)`` against the even one,
@@ -140,7 +146,31 @@ def _measure(n: int, plan: tuple[int, int, tuple[int, int, int], int], balance: 
     return json.loads(out.read_text())
 
 
-def _profile(repeats: int) -> tuple[Any, Any, float]:
+def _inputs(coords: Any, shape: Any, plan: tuple[int, int, tuple[int, int, int], int],
+            align: int) -> tuple[float, float]:
+    """(voxels per sample, imbalance) the plan's busiest rank sees in the fixed batch.
+
+    Replica ``r`` gets samples ``[r L, (r + 1) L)`` (contiguous, as the trainer shards), cut into
+    ``m`` micro-batches of whole samples; each micro-batch is cut into boxes on its own.
+    """
+    from sparsepipe_hpc.pipeline.executor import sample_bounds
+    from sparsepipe_hpc.plan.split import box_imbalance
+
+    R, _, g, m = plan
+    local = BATCH // R
+    b = coords[:, 0]
+    vps, imb = 0.0, 1.0
+    for r in range(R):
+        mine = (b >= r * local) & (b < (r + 1) * local)
+        vps = max(vps, int(mine.sum()) / local)
+        for lo, hi in sample_bounds(local, m):
+            part = (b >= r * local + lo) & (b < r * local + hi)
+            if any(x > 1 for x in g):
+                imb = max(imb, box_imbalance(coords[part], shape, g, align))
+    return vps, imb
+
+
+def _profile(repeats: int) -> tuple[Any, Any, float, Any]:
     import torch
 
     from sparsepipe_hpc.data import SceneDataset, collate, default_data, grid_for
@@ -157,7 +187,7 @@ def _profile(repeats: int) -> tuple[Any, Any, float]:
     batches = [collate([train[i] for i in range(k)], 0.05, origin, shape).x for k in (1, 2, 4)]
     vps = batches[-1].num_voxels / BATCH
     prof = profile_model(model, batches, repeats=repeats, name="unet")
-    return prof, shape, vps
+    return prof, shape, vps, batches[-1].coords
 
 
 def main(argv: list[str]) -> None:
@@ -185,7 +215,7 @@ def main(argv: list[str]) -> None:
     from sparsepipe_hpc.plan.machine import Machine, load_machine
     from sparsepipe_hpc.plan.search import evaluate, search
 
-    prof, shape, vps = _profile(args.repeats)
+    prof, shape, vps, coords = _profile(args.repeats)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
     with tempfile.TemporaryDirectory() as d:
@@ -195,32 +225,42 @@ def main(argv: list[str]) -> None:
         links = load_machine(tmp / "m.toml")
 
         def machine(n: int, speeds: Optional[list[float]] = None) -> Machine:
-            share = min(1.0, cores / n)   # oversubscribed CPU ranks share the cores
-            return Machine.build([s * share for s in (speeds or [1.0] * n)], [float("inf")] * n,
-                                 n, links.intra, links.inter, measured=True)
+            return Machine.build(speeds or [1.0] * n, [float("inf")] * n, n, links.intra,
+                                 links.inter, measured=True, cores_per_node=cores)
 
         rows = []
         for plan in PLANS:
             R, S, g, m = plan
             n = R * S * g[0] * g[1] * g[2]
-            pred = evaluate(prof, machine(n), R, S, g, m, BATCH, voxels_per_sample=vps,
-                            extent=shape)
+            rank_vps, imb = _inputs(coords, shape, plan, prof.total_stride)
+            pred = evaluate(prof, machine(n), R, S, g, m, BATCH, voxels_per_sample=rank_vps,
+                            extent=shape, imbalance=imb)
+            mean = evaluate(prof, machine(n), R, S, g, m, BATCH, voxels_per_sample=vps,
+                            extent=shape, balance=pred.balance if S > 1 else None)
             bal = ",".join(map(str, pred.balance)) if S > 1 else None
             got = _measure(n, plan, bal, args, tmp)
             rows.append({"ranks": n, "replicas": R, "stages": S, "grid": list(g),
                          "micro_batches": m, "balance": list(pred.balance),
+                         "voxels_per_sample": rank_vps, "imbalance": imb,
+                         "predicted_split_s": max(pred.split, default=0.0),
+                         "predicted_mean_s": mean.step_time,
+                         "error_mean": mean.step_time / got["median"] - 1,
+                         "core_share": pred.core_share,
                          "predicted_s": pred.step_time, "measured_s": got["median"],
                          "measured_all_s": got["times"],
                          "error": pred.step_time / got["median"] - 1})
             print(f"{n} ranks R{R} S{S} grid {g} m{m} balance {bal}: predicted "
-                  f"{pred.step_time:.3f} s, measured {got['median']:.3f} s "
-                  f"({rows[-1]['error']:+.0%})", flush=True)
-        ranking = {}
+                  f"{pred.step_time:.3f} s (mean input {mean.step_time:.3f} s), measured "
+                  f"{got['median']:.3f} s ({rows[-1]['error']:+.0%}, mean input "
+                  f"{rows[-1]['error_mean']:+.0%})", flush=True)
+        ranking: dict[int, Any] = {}
+        ranking_mean: dict[int, Any] = {}
         for n in sorted({r["ranks"] for r in rows}):
             mine = [r for r in rows if r["ranks"] == n]
             fastest = min(mine, key=lambda r: r["measured_s"])
-            pick = min(mine, key=lambda r: r["predicted_s"])
-            ranking[n] = {"measured_fastest": fastest, "predicted_first": pick,
+            for out, key in ((ranking, "predicted_s"), (ranking_mean, "predicted_mean_s")):
+                pick = min(mine, key=lambda r: r[key])
+                out[n] = {"measured_fastest": fastest, "predicted_first": pick,
                           "same": fastest is pick,
                           "pick_vs_fastest": pick["measured_s"] / fastest["measured_s"] - 1}
         # Heterogeneous: rank 1 is slow_factor times slower.
@@ -248,12 +288,16 @@ def main(argv: list[str]) -> None:
     result = {"benchmark": "planner", "environment": environment(), "cores": cores,
               "voxels_per_sample": vps, "links": links.to_dict()["links"],
               "plans": rows, "median_abs_error": statistics.median(errs),
-              "ranking": ranking, "heterogeneous": hetero,
+              "median_abs_error_mean_input": statistics.median(abs(r["error_mean"])
+                                                               for r in rows),
+              "ranking": ranking, "ranking_mean_input": ranking_mean, "heterogeneous": hetero,
               "notes": "predicted = cost model from a one-process profile; measured = median "
                        "trainer step (input excluded) under mpirun on this machine"}
     verdicts = [f"{n} ranks " + ("ok" if v["same"] else f"pick +{v['pick_vs_fastest']:.0%}")
-                for n, v in ranking.items()]
-    print(f"median |error| {result['median_abs_error']:.1%} over {len(rows)} plans; measured-"
+                + ("" if w["same"] else f" (mean input: pick +{w['pick_vs_fastest']:.0%})")
+                for (n, v), w in zip(ranking.items(), ranking_mean.values())]
+    print(f"median |error| {result['median_abs_error']:.1%} over {len(rows)} plans (mean input "
+          f"{result['median_abs_error_mean_input']:.1%}); measured-"
           f"fastest predicted first: {', '.join(verdicts)}")
     write_json(args.json, result)
 

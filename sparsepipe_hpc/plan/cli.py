@@ -86,7 +86,8 @@ def _machine(args: argparse.Namespace) -> Any:
             m = Machine.build(
                 _vals(args.device_speed, [d.speed for d in m.devices], args.ranks),
                 _vals(args.device_memory, [d.memory for d in m.devices], args.ranks),
-                args.ranks_per_node or m.ranks_per_node, m.intra, m.inter, m.measured)
+                args.ranks_per_node or m.ranks_per_node, m.intra, m.inter, m.measured,
+                m.cores_per_node)
         return m.resized(args.ranks) if args.ranks else m
     if not args.ranks:
         raise ValueError("--ranks is required without --machine; pass --ranks N")
@@ -143,13 +144,14 @@ def _mib(b: float) -> str:
 def format_table(plans: Sequence[Any]) -> str:
     """The chosen plan and runners-up as an aligned text table (seconds per step, MiB)."""
     head = ("#", "replicas", "stages", "grid", "micro", "balance", "step s", "compute s",
-            "halo s", "transfer s", "allreduce s", "mem MiB")
+            "halo s", "split s", "transfer s", "allreduce s", "mem MiB")
     rows = [head]
     for k, p in enumerate(plans):
         rows.append((str(k) if k else "chosen", str(p.replicas), str(p.stages),
                      "x".join(map(str, p.grid)), str(p.micro_batches),
                      ",".join(map(str, p.balance)), f"{p.step_time:.4g}",
-                     f"{max(p.compute):.3g}", f"{max(p.halo):.3g}", f"{max(p.transfer):.3g}",
+                     f"{max(p.compute):.3g}", f"{max(p.halo):.3g}",
+                     f"{max(p.split, default=0.0):.3g}", f"{max(p.transfer):.3g}",
                      f"{max(p.allreduce):.3g}", _mib(max(p.memory))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)

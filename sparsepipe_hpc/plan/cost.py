@@ -42,6 +42,10 @@ over a micro-batch of ``V`` input voxels on an extent ``E`` (voxels per axis):
       halo_bytes = sum_a [g_a > 1] * min(2, g_a - 1) * (g_a / G) * (V / E_a) * h_a
 
   Edges and corners (diagonal neighbours) are ignored: they add a fraction ``~ r / box side``.
+* ``surface_voxels``: the same count for a one-voxel layer of the input, ``h_a = 1``:
+  ``s = sum_a [g_a > 1] * min(2, g_a - 1) * (g_a / G) * (V / E_a)``: the busiest box's surface
+  in input voxels, what the cost of building its halo plans and halo kernel maps scales with
+  (:mod:`sparsepipe_hpc.plan.split`). 0 for a grid of one box.
 * ``halo_time``: ``2 * (exchanges * neighbours * alpha + beta * halo_bytes)``, forward and the
   adjoint backward, ``neighbours = 3^k - 1`` for ``k`` split axes (26 in 3-D), receives in
   parallel over a full-duplex link.
@@ -63,7 +67,7 @@ from typing import Sequence
 
 __all__ = ["Link", "pipeline_step_time", "uniform_pipeline_step_time", "bubble_fraction",
            "ring_allreduce_time", "step_time", "largest_share", "halo_bytes", "halo_time",
-           "memory_bytes", "OPTIMIZER_FACTOR"]
+           "surface_voxels", "memory_bytes", "OPTIMIZER_FACTOR"]
 
 #: Bytes of state per byte of weights: the weight, its gradient and the optimizer's moments.
 OPTIMIZER_FACTOR = {"adamw": 4.0, "sgd": 3.0}
@@ -188,6 +192,11 @@ def halo_bytes(coef: Sequence[float], voxels: float, extent: Sequence[int],
             e = _nonneg(f"extent[{a}]", extent[a]) or 1.0
             out += min(2, g[a] - 1) * g[a] / total * (v / e) * _nonneg(f"coef[{a}]", coef[a])
     return out
+
+
+def surface_voxels(voxels: float, extent: Sequence[int], grid: Sequence[int]) -> float:
+    """Input voxels one voxel deep on the busiest box's inner faces (see the module)."""
+    return halo_bytes((1.0, 1.0, 1.0), voxels, extent, grid)
 
 
 def halo_time(nbytes: float, exchanges: int, grid: Sequence[int], link: Link) -> float:

@@ -13,6 +13,7 @@ message sizes 8 B - 2 MiB; ranks on two nodes measure the across-node link too):
     ranks_per_node = 4
     device_speed = [1.0, 1.0, 0.5, 0.5]   # relative to the profiled device; one number: all ranks
     device_memory = 16e9                  # bytes per device; a list: one per rank
+    cores_per_node = 2                    # CPU ranks only: cores a node's ranks share
     [links.intra]                         # same node
     alpha = 1.5e-06                       # seconds
     beta = 1.0e-10                        # seconds per byte
@@ -21,8 +22,11 @@ message sizes 8 B - 2 MiB; ranks on two nodes measure the across-node link too):
     beta = 8.0e-11
 
 Rank ``r`` sits on node ``r // ranks_per_node`` (block placement, as mpirun and srun place ranks
-by default). With a single ``device_speed``/``device_memory`` the machine describes any number of
-ranks, which is how the planner extrapolates to node counts this machine does not have.
+by default). ``cores_per_node`` (absent: every rank has a device of its own, as GPUs do)
+describes CPU ranks that share a node's cores: more ranks than cores run at a share of one
+(:meth:`Machine.core_share`). With a single ``device_speed``/``device_memory`` the machine
+describes any number of ranks, which is how the planner extrapolates to node counts this
+machine does not have.
 """
 
 from __future__ import annotations
@@ -89,6 +93,19 @@ class Machine:
     intra: Link = DEFAULT_INTRA
     inter: Link = DEFAULT_INTER
     measured: bool = False
+    cores_per_node: Optional[int] = None
+
+    def core_share(self, busy_ranks_per_node: float) -> float:
+        """Share of a core each busy CPU rank gets: ``min(1, cores_per_node / busy)``.
+
+        ``busy``: ranks of the most crowded node that compute at the same time; a rank waiting
+        in MPI yields its core (Open MPI does when oversubscribed), so a pipeline stage idle in
+        the bubble does not count (:func:`sparsepipe_hpc.plan.search.evaluate` passes
+        ``ranks * (1 - bubble)``). 1 when the machine has no ``cores_per_node`` (GPUs).
+        """
+        if self.cores_per_node is None or busy_ranks_per_node <= 0:
+            return 1.0
+        return min(1.0, self.cores_per_node / busy_ranks_per_node)
 
     def link(self, a: Device, b: Device) -> Link:
         """The link between two devices: ``intra`` on one node, else ``inter``."""
@@ -118,27 +135,30 @@ class Machine:
                                f"one device_speed and device_memory for all")
         speed, memory = kinds.pop()
         return Machine.uniform(ranks, self.ranks_per_node, speed, memory, self.intra, self.inter,
-                               self.measured)
+                               self.measured, self.cores_per_node)
 
     @classmethod
     def uniform(cls, ranks: int, ranks_per_node: int, speed: float = 1.0,
                 memory: float = math.inf, intra: Link = DEFAULT_INTRA,
-                inter: Link = DEFAULT_INTER, measured: bool = False) -> "Machine":
+                inter: Link = DEFAULT_INTER, measured: bool = False,
+                cores_per_node: Optional[int] = None) -> "Machine":
         return cls.build([speed] * ranks, [memory] * ranks, ranks_per_node, intra, inter,
-                         measured)
+                         measured, cores_per_node)
 
     @classmethod
     def build(cls, speeds: Sequence[float], memory: Sequence[float], ranks_per_node: int,
               intra: Link = DEFAULT_INTRA, inter: Link = DEFAULT_INTER,
-              measured: bool = False) -> "Machine":
-        if isinstance(ranks_per_node, bool) or int(ranks_per_node) != ranks_per_node \
-                or ranks_per_node < 1:
-            raise MachineError(f"ranks_per_node is {ranks_per_node!r}; it must be a whole "
-                               f"number >= 1")
+              measured: bool = False, cores_per_node: Optional[int] = None) -> "Machine":
+        for name, v in (("ranks_per_node", ranks_per_node), ("cores_per_node", cores_per_node)):
+            if (v is not None or name == "ranks_per_node") and (
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v
+                    or v < 1):
+                raise MachineError(f"{name} is {v!r}; it must be a whole number >= 1")
         devs = tuple(Device(speed=float(s), memory=float(mem), node=r // int(ranks_per_node),
                             name=f"rank {r}")
                      for r, (s, mem) in enumerate(zip(speeds, memory)))
-        return cls(devs, int(ranks_per_node), intra, inter, measured)
+        return cls(devs, int(ranks_per_node), intra, inter, measured,
+                   None if cores_per_node is None else int(cores_per_node))
 
     @classmethod
     def from_options(cls, ranks: int, speeds: Union[str, float, Sequence[float]] = 1.0,
@@ -158,6 +178,7 @@ class Machine:
                 "device_speed": speeds[0] if len(set(speeds)) == 1 else speeds,
                 "device_memory": mems_out[0] if len(set(mems)) == 1 else mems_out,
                 "ranks": self.ranks, "measured": self.measured,
+                **({} if self.cores_per_node is None else {"cores_per_node": self.cores_per_node}),
                 "links": {"intra": {"alpha": self.intra.alpha, "beta": self.intra.beta},
                           "inter": {"alpha": self.inter.alpha, "beta": self.inter.beta}}}
 
@@ -177,6 +198,9 @@ class Machine:
                  f"device_speed = {val(d['device_speed'])}",
                  f"device_memory = {val(d['device_memory'])}  # bytes",
                  f"measured = {val(self.measured)}"]
+        if self.cores_per_node is not None:
+            lines.append(f"cores_per_node = {self.cores_per_node}  # CPU cores the node's ranks "
+                         f"share")
         for name, link in (("intra", self.intra), ("inter", self.inter)):
             lines += ["", f"[links.{name}]  # {'same node' if name == 'intra' else 'across nodes'}",
                       f"alpha = {link.alpha!r}  # seconds",
@@ -194,12 +218,14 @@ def _from_dict(d: dict[str, Any], where: str, ranks: Optional[int]) -> Machine:
         rpn = int(d.get("ranks_per_node", n))
         speeds = parse_numbers(f"{where}: device_speed", d.get("device_speed", 1.0), n)
         mems = parse_numbers(f"{where}: device_memory", d.get("device_memory", math.inf), n)
-        return Machine.build(speeds, mems, rpn, intra, inter, bool(d.get("measured", False)))
+        return Machine.build(speeds, mems, rpn, intra, inter, bool(d.get("measured", False)),
+                             d.get("cores_per_node"))   # build checks it
     except (TypeError, ValueError) as e:
         if isinstance(e, MachineError) and where in str(e):
             raise
         raise MachineError(f"{where}: {e}; see python -m sparsepipe_hpc.plan --help for the "
-                           f"keys (ranks_per_node, device_speed, device_memory, links)") from None
+                           f"keys (ranks_per_node, device_speed, device_memory, cores_per_node, "
+                           f"links)") from None
 
 
 def load_machine(path: Union[str, os.PathLike[str]], ranks: Optional[int] = None) -> Machine:
@@ -256,7 +282,9 @@ def measure_links(comm: Any, repeats: int = 20, sizes: Sequence[int] = SIZES
 
     **Collective.** Rank 0 pings rank 1 (same node when both are), and the first rank on another
     node when there is one; without one the across-node link keeps :data:`DEFAULT_INTER`.
-    Devices: speed 1 each; memory: the GPU's (CUDA) or this node's RAM divided by its ranks.
+    Devices: speed 1 each; memory: the GPU's (CUDA) or this node's RAM divided by its ranks;
+    without CUDA, ``cores_per_node``: the cores rank 0's node's ranks may run on (the union of
+    their CPU affinities, so a binding of one core per rank still counts the node's cores).
     """
     from mpi4py import MPI
 
@@ -276,11 +304,34 @@ def measure_links(comm: Any, repeats: int = 20, sizes: Sequence[int] = SIZES
         inter = _fit(sizes, secs) if comm.Get_rank() == 0 else None
     memory = _device_memory(names.count(MPI.Get_processor_name()))
     mems = comm.gather(memory, root=0)
+    cpus = comm.gather(_cpu_set(), root=0)
     if comm.Get_rank() != 0:
         return None
     per_node = names.count(names[0])
     return Machine.build([1.0] * size, mems, per_node, intra or inter or DEFAULT_INTRA,
-                         inter or DEFAULT_INTER, measured=True)
+                         inter or DEFAULT_INTER, measured=True,
+                         cores_per_node=_node_cores(names, cpus))
+
+
+def _cpu_set() -> Optional[set[int]]:
+    """The cores this process may run on; None with a CUDA device (a device per rank)."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return None
+    except ImportError:
+        pass
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def _node_cores(names: Sequence[str], cpus: Sequence[Optional[set[int]]]) -> Optional[int]:
+    """Cores of rank 0's node: the union of its ranks' CPU sets; None if any has a GPU."""
+    mine = [c for n, c in zip(names, cpus) if n == names[0]]
+    if any(c is None for c in mine):
+        return None
+    return len(set().union(*[c for c in mine if c is not None])) or None
 
 
 def _device_memory(local_ranks: int) -> float:

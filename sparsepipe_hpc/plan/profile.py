@@ -35,6 +35,10 @@ carry out; :mod:`sparsepipe_hpc.nn.models`), on the device the batch lives on:
 * kernel maps (:class:`KmapProfile`): which block makes each map and which blocks reuse it, and
   the seconds to build it; a pipeline stage rebuilds the maps made before it
   (:meth:`ModelProfile.rebuild_costs`, added to its stages by the search).
+* ``split`` (:class:`~sparsepipe_hpc.plan.split.SplitFit`): the seconds a spatial split adds
+  to the block (halo plans, kernel maps over box + halo, halo-pair compute), measured by
+  playing the busiest box of a few grids (:func:`~sparsepipe_hpc.plan.split.split_probe`) and
+  fitted in box voxels and surface voxels.
 * ``peak_bytes`` of the whole run (CUDA only; ``None`` on CPU, where torch keeps no peak).
 
 Time and bytes are fitted per block as ``a + b * voxels`` by least squares over the batches
@@ -54,6 +58,7 @@ import numpy as np
 import torch
 
 from sparsepipe_hpc.plan.probes import clock, halo_probe, kmap_probe, synthetic_batch
+from sparsepipe_hpc.plan.split import PROBE_GRIDS, SplitFit, fit_split, split_probe
 from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["Fit", "BlockProfile", "KmapProfile", "ModelProfile", "ProfileError", "profile_model",
@@ -102,6 +107,7 @@ class BlockProfile:
     exchanges: int = 0
     measured: tuple[dict[str, float], ...] = ()
     update: float = 0.0
+    split: SplitFit = SplitFit()
 
     def time(self, voxels: float) -> float:
         """Seconds forward + backward on ``voxels`` input voxels (reference device)."""
@@ -165,7 +171,7 @@ class ModelProfile:
                 act_bytes=Fit(**b["act_bytes"]), out_bytes=Fit(**b["out_bytes"]),
                 param_bytes=float(b["param_bytes"]), halo=tuple(b["halo"]),  # type: ignore
                 exchanges=int(b["exchanges"]), measured=tuple(b["measured"]),
-                update=float(b.get("update", 0.0)))
+                update=float(b.get("update", 0.0)), split=SplitFit(**b.get("split", {})))
                 for b in d["blocks"])
             return cls(name=d["name"], device=d["device"], blocks=blocks,
                        voxels_per_sample=float(d["voxels_per_sample"]),
@@ -280,10 +286,13 @@ def _update_time(block: Any, repeats: int, now: Callable[[], float]) -> float:
 
 
 def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
-                  warmup: int = 1, name: str = "") -> ModelProfile:
+                  warmup: int = 1, name: str = "",
+                  split_grids: Sequence[Sequence[int]] = PROBE_GRIDS) -> ModelProfile:
     """Profile every block of ``model`` (a BlockSequence) on each batch; see the module.
 
     batches: input SparseTensors on the device to profile (2-3 sizes for a voxel fit).
+    split_grids: grids whose busiest box the split probe plays (those with a box narrower
+    than the model's total stride are skipped; none: no split cost).
     Leaves the model's train/eval mode and parameters as they were (gradients are cleared).
     """
     if not batches:
@@ -299,6 +308,8 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
     exchanges = [0] * len(blocks)
     peaks: list[Optional[int]] = []
     kraw: list[dict[str, tuple[int, set[int], float]]] = []
+    split_rows = []
+    stride = int(getattr(model, "total_stride", 1))
     try:
         for bi, x in enumerate(batches):
             dev = x.feats.device
@@ -313,6 +324,9 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
             peaks.append(int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None)
             coef, count = halo_probe(blocks, x)
             kraw.append(kmap_probe(blocks, x, repeats))
+            grids = [g for g in split_grids
+                     if all(int(ga) <= max(1, e // stride) for ga, e in zip(g, x.spatial_shape))]
+            split_rows += split_probe(blocks, x, grids, repeats, align=stride)
             for k in range(len(blocks)):
                 raw[k].append({"voxels": float(x.num_voxels),
                                **{key: statistics.median(run[key][k] for run in runs)
@@ -322,6 +336,7 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
     finally:
         model.train(was_training)
     now = clock(batches[0].feats.device)
+    splits = fit_split(split_rows, len(blocks))
     profs = []
     for k, blk in enumerate(blocks):
         v = [m["voxels"] for m in raw[k]]
@@ -331,7 +346,8 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
         profs.append(BlockProfile(name=f"{k}:{type(blk).__name__}", param_bytes=pbytes,
                                   halo=tuple(halo[k]), exchanges=exchanges[k],  # type: ignore
                                   measured=tuple(raw[k]),
-                                  update=_update_time(blk, repeats, now), **fits))
+                                  update=_update_time(blk, repeats, now), split=splits[k],
+                                  **fits))
     kmaps = []
     for key, (creator, users, _) in kraw[0].items():
         fit = fit_linear([b.num_voxels for b in batches], [kr[key][2] for kr in kraw])
@@ -341,7 +357,7 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
     return ModelProfile(name=name or type(model).__name__, device=str(x0.feats.device),
                         blocks=tuple(profs), voxels_per_sample=float(vps),
                         extent=tuple(x0.spatial_shape),  # type: ignore[arg-type]
-                        total_stride=int(getattr(model, "total_stride", 1)),
+                        total_stride=stride,
                         in_channels=x0.num_channels, sizes=tuple(b.num_voxels for b in batches),
                         peak_bytes=tuple(peaks),
                         notes={"repeats": repeats, "warmup": warmup,

@@ -18,9 +18,15 @@ Predicted step time of a candidate (every term in seconds; formulas in
                     ceil(n / m) samples: V = ceil(n / m) * voxels_per_sample input voxels
     busiest box     v = V * largest_share(grid, imbalance)
     block b         time_b = fwd_b(v) + bwd_b(v) + halo_time(halo_bytes(h_b, V, E, grid))
+                    + [G > 1] split_b(v, surface_voxels(V, E, grid))   (halo plans, maps and
+                    halo pairs; :mod:`sparsepipe_hpc.plan.split`)
     stage [i, j)    + the kernel maps made before block i that it uses, rebuilt once per
                     micro-batch (ModelProfile.rebuild_costs at v voxels; pipelines only)
                     out_bytes_b(V) * share, act_bytes_b(v), param_bytes_b * optimizer_factor
+    CPU cores       machines with ``cores_per_node`` run every device at
+                    core_share(busy) = min(1, cores / busy) of its speed, busy = the plan's
+                    ranks on the most crowded node * (1 - bubble_fraction(S, m)): ranks that
+                    wait in the pipeline bubble yield their core (Machine.core_share)
     partition       the exact least-bottleneck split (partition_stages) over the S stage devices
                     with the stage links and the schedule's in-flight micro-batches
     step            sum_s t_s + (m - 1) max_s t_s + max_s ring_allreduce(params_s, R * G ranks)
@@ -41,8 +47,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from sparsepipe_hpc.plan.cost import (OPTIMIZER_FACTOR, Link, halo_bytes, halo_time,
-                                      largest_share, ring_allreduce_time)
+from sparsepipe_hpc.plan.cost import (OPTIMIZER_FACTOR, Link, bubble_fraction, halo_bytes,
+                                      halo_time, largest_share, ring_allreduce_time,
+                                      surface_voxels)
 from sparsepipe_hpc.plan.machine import Machine
 from sparsepipe_hpc.plan.partition import (Block, Device, PartitionError, inflight_1f1b,
                                            inflight_gpipe, partition_stages)
@@ -74,6 +81,8 @@ class Plan:
     update: tuple[float, ...]
     memory: tuple[float, ...]
     voxels_per_rank: float
+    split: tuple[float, ...] = ()
+    core_share: float = 1.0
 
     @property
     def ranks(self) -> int:
@@ -160,10 +169,15 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
     def rank(r: int, s: int, i: int) -> int:
         return r * stages * G + s * G + i
 
+    per_node: dict[int, int] = {}
+    for d in machine.devices[:ranks]:
+        per_node[d.node] = per_node.get(d.node, 0) + 1
+    core = machine.core_share(max(per_node.values()) * (1 - bubble_fraction(stages,
+                                                                             micro_batches)))
     devs, links = [], []
     for s in range(stages):
         members = [machine.devices[rank(r, s, i)] for r in range(replicas) for i in range(G)]
-        devs.append(Device(speed=min(d.speed for d in members),
+        devs.append(Device(speed=core * min(d.speed for d in members),
                            memory=min(d.memory for d in members), node=members[0].node,
                            name=f"stage {s}"))
         if s + 1 < stages:
@@ -180,9 +194,11 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
     factor = OPTIMIZER_FACTOR[optimizer]
     halos = [halo_time(halo_bytes(b.halo, V, ext, g), b.exchanges, g, spatial_link)
              for b in profile.blocks]
-    blocks = [Block(time=b.time(v) + h, out_bytes=b.out_bytes(V) * share,
+    surface = surface_voxels(V, ext, g)
+    splits = [b.split(v, surface) if G > 1 else 0.0 for b in profile.blocks]
+    blocks = [Block(time=b.time(v) + h + x, out_bytes=b.out_bytes(V) * share,
                     param_bytes=b.param_bytes * factor, act_bytes=b.act_bytes(v), name=b.name)
-              for b, h in zip(profile.blocks, halos)]
+              for b, h, x in zip(profile.blocks, halos, splits)]
     inflight = inflight_gpipe if schedule == "gpipe" else inflight_1f1b
     rebuild = profile.rebuild_costs(v) if stages > 1 else None
     if balance is not None:
@@ -202,10 +218,12 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
                              None if rebuild is None else rebuild[np.ix_(bounds, bounds)])
         bal = tuple(int(n) for n in balance)
         halo_s = [sum(halos[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        split_s = [sum(splits[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     else:
         p = partition_stages(blocks, devs, links or Link(), micro_batches, inflight, rebuild)
         bal = tuple(b - a for a, b in zip(p.bounds[:-1], p.bounds[1:]))
         halo_s = [sum(halos[a:b]) for a, b in zip(p.bounds[:-1], p.bounds[1:])]
+        split_s = [sum(splits[a:b]) for a, b in zip(p.bounds[:-1], p.bounds[1:])]
         bounds = list(p.bounds)
     weights = [sum(b.param_bytes for b in profile.blocks[a:c])
                for a, c in zip(bounds[:-1], bounds[1:])]
@@ -215,9 +233,11 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
     return Plan(replicas=replicas, stages=stages, grid=g, micro_batches=micro_batches,
                 balance=bal, pipeline_schedule=schedule,
                 step_time=p.step_time() + max(ar) + max(upd), stage_times=p.times,
-                compute=tuple(c - h / d.speed for c, h, d in zip(p.compute, halo_s, devs)),
+                compute=tuple(c - (h + x) / d.speed
+                              for c, h, x, d in zip(p.compute, halo_s, split_s, devs)),
                 transfer=p.transfer, halo=tuple(h / d.speed for h, d in zip(halo_s, devs)),
-                allreduce=ar, update=upd, memory=p.memory, voxels_per_rank=v)
+                allreduce=ar, update=upd, memory=p.memory, voxels_per_rank=v,
+                split=tuple(x / d.speed for x, d in zip(split_s, devs)), core_share=core)
 
 
 def search(profile: ModelProfile, machine: Machine, batch_size: int,

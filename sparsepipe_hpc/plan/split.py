@@ -1,0 +1,207 @@
+"""What a spatial split adds to a step: halo plans, bigger kernel maps, halo-pair compute.
+
+    from sparsepipe_hpc.plan.split import SplitFit, split_probe, fit_split
+    rows = split_probe(list(net.blocks), x, grids=[(2, 1, 1), (2, 2, 1)], repeats=3)
+    fits = fit_split(rows, len(net.blocks))     # one SplitFit per block
+    fits[1](box_voxels=20000, surface=700)      # extra seconds of block 1 on a split grid
+
+On a grid of more than one box, every submanifold convolution key (``subm:k3:d1:s2``...) of a
+step builds, besides the serial kernel map of its box, a halo plan (select the rows within
+``r`` of each of the up to 26 neighbour boxes, :func:`halo.plan.select_sends`) and a kernel
+map over the box's voxels plus the halo voxels, split into a local and a halo map
+(:meth:`halo.plan.HaloPlan.kernel_maps`); every such convolution then also runs the halo pairs
+through the engine, forward and backward. None of that exists in a one-process profile, so
+:func:`split_probe` measures it in one process by playing the busiest box of each grid (cuts:
+the trainer's balanced quantile cuts, :func:`halo.cuts.cuts_from_histograms`, halo voxels
+found in the whole cloud as :func:`halo.plan.build_plan` would receive them), per block::
+
+    extra = [t(select_sends) + t(kernel map over box + halo, split) - t(kernel map over box)]
+            summed over the keys the block creates
+          + t(halo-pair forward + backward) summed over the block's haloed convolutions
+
+The point-to-point messages of a plan build are latency (an all-reduce and two neighbour
+rounds per key) and are not in it. :func:`fit_split` fits per block, by non-negative least
+squares over the probed (grid, batch) pairs,
+
+    extra(v, s) = c + a * v + b * s       (seconds on the profiled device)
+
+with ``v`` the busiest box's input voxels and ``s`` its input-level surface voxels as the cost
+model counts them (:func:`sparsepipe_hpc.plan.cost.surface_voxels`): ``c`` the fixed cost of
+one haloed convolution call, ``a`` the per-voxel cost of the selection, ``b`` the per-halo-voxel
+cost of the bigger map and of the halo pairs. A grid of one box adds nothing (``extra = 0``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from sparsepipe_hpc.plan.cost import surface_voxels
+from sparsepipe_hpc.plan.probes import clock
+from sparsepipe_hpc.sparse import SparseTensor
+
+__all__ = ["SplitFit", "SplitRow", "split_probe", "fit_split", "box_imbalance", "busiest_box",
+           "PROBE_GRIDS"]
+
+#: Grids the profiler plays by default: one, two and three split axes.
+PROBE_GRIDS: tuple[tuple[int, int, int], ...] = ((2, 1, 1), (2, 2, 1), (2, 2, 2))
+
+
+@dataclass(frozen=True)
+class SplitFit:
+    """``extra(v, s) = max(0, c + a * v + b * s)`` seconds for a box of ``v`` input voxels and
+    ``s`` surface voxels (see the module)."""
+
+    c: float = 0.0
+    a: float = 0.0
+    b: float = 0.0
+
+    def __call__(self, box_voxels: float, surface: float) -> float:
+        return max(0.0, self.c + self.a * float(box_voxels) + self.b * float(surface))
+
+
+@dataclass(frozen=True)
+class SplitRow:
+    """One probe: grid, the batch's input voxels ``V``, the busiest box's input voxels, the
+    cost model's surface voxels, and the measured extra seconds per block."""
+
+    grid: tuple[int, int, int]
+    voxels: int
+    box_voxels: int
+    surface: float
+    extra: tuple[float, ...]
+
+
+def _cuts(coords: torch.Tensor, extent: Sequence[int], dims: Sequence[int], align: int) -> Any:
+    from halo.cuts import axis_histograms, cuts_from_histograms
+    xyz = coords[:, 1:].cpu().numpy()
+    return cuts_from_histograms(axis_histograms(xyz, extent, align), extent, dims, align)
+
+
+def busiest_box(coords: torch.Tensor, extent: Sequence[int], dims: Sequence[int], align: int
+                ) -> tuple[Any, tuple[int, int, int], np.ndarray]:
+    """(cuts, grid position of the fullest box, voxel count per box [gx, gy, gz]) of the balanced
+    quantile cuts the trainer uses. coords: int [N, 4] input voxels (batch, x, y, z)."""
+    cuts = _cuts(coords, extent, dims, align)
+    where = np.asarray(cuts.locate(coords[:, 1:].cpu().numpy()))
+    counts = np.zeros(tuple(dims), np.int64)
+    np.add.at(counts, tuple(where.T), 1)
+    box = np.unravel_index(int(np.argmax(counts)), counts.shape)
+    return cuts, (int(box[0]), int(box[1]), int(box[2])), counts
+
+
+def box_imbalance(coords: torch.Tensor, extent: Sequence[int], dims: Sequence[int],
+                  align: int = 1) -> float:
+    """Largest box / mean box of the balanced cuts on ``coords`` (1.0 = perfect); the
+    ``imbalance`` of :func:`sparsepipe_hpc.plan.cost.largest_share`."""
+    _, _, counts = busiest_box(coords, extent, dims, align)
+    return float(counts.max() / max(counts.mean(), 1e-30)) if counts.sum() else 1.0
+
+
+def _median(fn: Any, repeats: int, now: Any) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = now()
+        fn()
+        times.append(now() - t0)
+    return statistics.median(times)
+
+
+def split_probe(blocks: Sequence[Any], x: SparseTensor, grids: Sequence[Sequence[int]],
+                repeats: int = 3, align: int = 1) -> list[SplitRow]:
+    """Measure each block's extra seconds on the busiest box of every grid (see the module).
+
+    x: the input batch (whole, on the profiled device); align: the model's total stride.
+    """
+    from halo.kmap import kernel_map
+    from halo.plan import halo_boxes, halo_radius, select_sends
+    from sparsepipe_hpc.engine import get_engine
+    from sparsepipe_hpc.nn.conv import SubMConv3d
+
+    now = clock(x.feats.device)
+    engine = get_engine("auto", x.feats.device)
+    convs: dict[str, list[tuple[int, Any, SparseTensor]]] = {}
+    handles = []
+    for k, blk in enumerate(blocks):
+        for mod in blk.modules():
+            if isinstance(mod, SubMConv3d) and mod.spec.padding > 0:
+                def hook(m: Any, args: tuple[Any, ...], k: int = k) -> None:
+                    convs.setdefault(m.cache_key(args[0]), []).append((k, m, args[0]))
+                handles.append(mod.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            carry: list[Any] = [x.replace(kmaps={})]
+            for blk in blocks:
+                carry = blk(carry)
+    finally:
+        for h in handles:
+            h.remove()
+    extent = tuple(x.spatial_shape)
+    rows = []
+    for grid in grids:
+        dims = (int(grid[0]), int(grid[1]), int(grid[2]))
+        cuts, box, counts = busiest_box(x.coords, extent, dims, align)
+        nbrs = [c for c in itertools.product(*(range(n) for n in dims))
+                if c != box and max(abs(p - q) for p, q in zip(c, box)) <= 1]
+        extra = [0.0] * len(blocks)
+        for users in convs.values():
+            creator, m0, t = users[0]
+            s = m0.spec
+            r = halo_radius(s.kernel_size, 1, s.padding, s.dilation)
+            geometry = (s.kernel_size, 1, s.padding, s.dilation)
+            where = torch.as_tensor(np.asarray(cuts.locate(t.coords[:, 1:].cpu().numpy(),
+                                                           stride=t.stride)))
+            mine = (where == torch.tensor(box)).all(1).to(t.coords.device)
+            local = t.coords[mine]
+            near = torch.zeros(len(t.coords), dtype=torch.bool, device=t.coords.device)
+            near[select_sends(t.coords, [halo_boxes(cuts, box, t.stride)], r)[0]] = True
+            halo = t.coords[near & ~mine]
+            boxes = [halo_boxes(cuts, c, t.stride) for c in nbrs]
+
+            def split() -> Any:
+                select_sends(local, boxes, r)
+                km = kernel_map(torch.cat([local, halo]), local, *geometry)
+                is_local = km.in_rows < len(local)
+                km.select(is_local, n_in=len(local))
+                return km.select(~is_local, n_in=len(halo), in_rows=km.in_rows - len(local))
+
+            serial = _median(lambda: kernel_map(local, local, *geometry), repeats, now)
+            extra[creator] += max(0.0, _median(split, repeats, now) - serial)
+            halo_map = split()
+            for k, mod, tt in users:
+                w = mod.weight_matrix().detach()
+                feats = torch.randn(len(halo), tt.num_channels, device=w.device, dtype=w.dtype)
+                grad = torch.randn(len(local), w.shape[0], device=w.device, dtype=w.dtype)
+
+                def pairs() -> None:
+                    out = torch.zeros(len(local), w.shape[0], device=w.device, dtype=w.dtype)
+                    engine.forward(feats, w, halo_map, out=out)
+                    engine.backward(feats, w, grad, halo_map)
+                extra[k] += _median(pairs, repeats, now)
+        rows.append(SplitRow(dims, x.num_voxels, int(counts.max()),
+                             surface_voxels(x.num_voxels, extent, dims), tuple(extra)))
+    return rows
+
+
+def fit_split(rows: Sequence[SplitRow], blocks: int) -> tuple[SplitFit, ...]:
+    """Per block, ``c, a, b >= 0`` minimising the squared error of ``c + a v + b s`` over
+    ``rows`` (scipy's NNLS; columns scaled to unit size first). No rows: zero fits."""
+    if not rows:
+        return tuple(SplitFit() for _ in range(blocks))
+    from scipy.optimize import nnls
+
+    design = np.array([[1.0, r.box_voxels, r.surface] for r in rows])
+    scale = np.maximum(np.abs(design).max(0), 1e-30)
+    out = []
+    for k in range(blocks):
+        y = np.array([r.extra[k] for r in rows])
+        coef, _ = nnls(design / scale, y)
+        c, a, b = (float(v) for v in coef / scale)
+        out.append(SplitFit(c, a, b) if all(map(math.isfinite, (c, a, b))) else SplitFit())
+    return tuple(out)
