@@ -28,6 +28,7 @@ __all__ = ["KernelMap", "kernel_map", "kernel_offsets", "output_coords", "coord_
 
 _BITS = 18  # bits per spatial axis: coordinates in [-2**17, 2**17); batch index below 2**9
 _HALF = 1 << (_BITS - 1)
+_QUERY_BLOCK = 1 << 24  # kernel-map lookups per group of offsets (~0.5 GB of int64 work arrays)
 
 
 def _triple(v: int | Sequence[int]) -> tuple[int, int, int]:
@@ -99,10 +100,15 @@ class KernelMap:
 
     def select(self, keep: torch.Tensor, n_in: Optional[int] = None,
                in_rows: Optional[torch.Tensor] = None) -> "KernelMap":
-        """The pairs where ``keep [P]`` is true, optionally with input rows renumbered."""
-        counts = torch.stack([keep[int(self.ptr[k]):int(self.ptr[k + 1])].sum()
-                              for k in range(self.num_offsets)]) if self.num_offsets else \
-            torch.zeros(0, dtype=torch.int64)
+        """The pairs where ``keep [P]`` is true, optionally with input rows renumbered.
+
+        Per-offset counts come from one segment sum and one copy to the host (no sync per offset).
+        """
+        dev = keep.device
+        sizes = (self.ptr[1:] - self.ptr[:-1]).to(dev)
+        offset_of_pair = torch.repeat_interleave(torch.arange(self.num_offsets, device=dev), sizes)
+        counts = torch.zeros(self.num_offsets, dtype=torch.int64, device=dev)
+        counts.index_add_(0, offset_of_pair, keep.long())
         ptr = torch.zeros(self.num_offsets + 1, dtype=torch.int64)
         ptr[1:] = torch.cumsum(counts.cpu(), 0)
         rows = self.in_rows[keep] if in_rows is None else in_rows[keep]
@@ -128,11 +134,14 @@ class KernelMap:
 def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
                kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
                padding: int | Sequence[int] = 0,
-               dilation: int | Sequence[int] = 1) -> KernelMap:
+               dilation: int | Sequence[int] = 1, *,
+               offsets_per_pass: Optional[int] = None) -> KernelMap:
     """All (input, output, offset) triples with ``in = out * stride - padding + offset * dilation``.
 
     in_coords int [N_in, 4], out_coords int [N_out, 4]: global voxel indices at the input's and the
-    output's stride respectively; rows need not be sorted.
+    output's stride respectively; rows need not be sorted. ``offsets_per_pass``: kernel offsets
+    looked up together (default: all that fit a work-array budget on a GPU, one on the CPU); the
+    map is the same for any value.
     """
     s, p, d = (torch.tensor(_triple(v), dtype=torch.int64, device=out_coords.device)
                for v in (stride, padding, dilation))
@@ -141,18 +150,30 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
     sorted_keys, order = torch.sort(keys)
     out = out_coords.long()
     base = out[:, 1:] * s - p
+    n_out, n_k = len(out), len(offsets)
+    # On a GPU, every offset's queries at once ([k, N] keys, offset-major so hits come out CSR by
+    # offset), in groups bounding the work arrays: the host syncs are one per group (the boolean
+    # selection's size) and the per-offset counts at the end, not one per offset. On the CPU,
+    # where a sync costs nothing, one offset at a time measured 1.5x faster (cache-sized arrays).
+    group = offsets_per_pass or (max(1, _QUERY_BLOCK // max(n_out, 1)) if out.is_cuda else 1)
     in_rows, out_rows, counts = [], [], []
-    out_index = torch.arange(len(out), device=out.device)
-    for off in offsets:
-        q = torch.cat([out[:, :1], base + off * d], 1)
-        rows = lookup(sorted_keys, order, coord_keys(q))
+    for g0 in range(0, n_k, group):
+        off = offsets[g0:g0 + group]
+        q = base[None] + (off * d)[:, None]                           # [g, N, 3]
+        qk = coord_keys(torch.cat([out[None, :, :1].expand(len(off), -1, -1), q], 2)
+                        .reshape(-1, 4)).view(len(off), n_out)
+        rows = lookup(sorted_keys, order, qk.reshape(-1)).view(len(off), n_out)
         hit = rows >= 0
+        counts.append(hit.sum(1))
         in_rows.append(rows[hit])
-        out_rows.append(out_index[hit])
-        counts.append(int(hit.sum()))
-    ptr = torch.zeros(len(offsets) + 1, dtype=torch.int64)
-    ptr[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0)
-    return KernelMap(torch.cat(in_rows), torch.cat(out_rows), ptr, len(in_coords), len(out_coords))
+        out_rows.append(torch.arange(n_out, device=out.device).expand(len(off), -1)[hit])
+    ptr = torch.zeros(n_k + 1, dtype=torch.int64)
+    if counts:
+        ptr[1:] = torch.cumsum(torch.cat(counts).cpu(), 0)
+    empty = torch.zeros(0, dtype=torch.int64, device=out.device)
+    return KernelMap(torch.cat(in_rows) if in_rows else empty,
+                     torch.cat(out_rows) if out_rows else empty, ptr, len(in_coords),
+                     len(out_coords))
 
 
 def output_coords(in_coords: torch.Tensor, kernel_size: int | Sequence[int],

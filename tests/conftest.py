@@ -37,3 +37,13 @@ def rng(request) -> np.random.Generator:
 @pytest.fixture
 def gen(request) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def spconv_like_cuda_build(monkeypatch):
+    """spconv's layers choose their algorithm as spconv's CUDA build does (implicit GEMM when none
+    is named), so a reference layer on CPU tensors that does not name ``algo=ConvAlgo.Native``
+    fails here as it would on a GPU machine ("implicit gemm only support cuda")."""
+    import spconv.pytorch.conv as sp_conv
+
+    monkeypatch.setattr(sp_conv, "CPU_ONLY_BUILD", False)

@@ -13,6 +13,11 @@ from sparsepipe_hpc.engine.spconv_engine import patch_spconv
 
 ENGINES = ["torch", "spconv"]
 
+# spconv reference layers run on CPU tensors: name the Native algorithm, which both of
+# spconv's builds run on the CPU (its CUDA build picks implicit GEMM otherwise, CUDA only).
+NATIVE = spconv.ConvAlgo.Native
+pytestmark = pytest.mark.usefixtures("spconv_like_cuda_build")
+
 
 def spconv_rows(ref_coords: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:
     """Permutation p with ref_coords[p] == ours."""
@@ -32,7 +37,7 @@ def test_keys_round_trip(gen):
 def test_submanifold_matches_spconv(gen, engine, k, d):
     patch_spconv()
     x = random_cloud(gen, 600)
-    ref = spconv.SubMConv3d(4, 5, k, dilation=d, bias=False).double()
+    ref = spconv.SubMConv3d(4, 5, k, dilation=d, bias=False, algo=NATIVE).double()
     y_ref = ref(x.to_spconv()).features
     km = kernel_map(x.coords, x.coords, k, 1, d * (k // 2), d)
     w = ref.weight.detach().reshape(5, k ** 3, 4)
@@ -48,8 +53,9 @@ def test_strided_and_inverse_match_spconv(gen, engine, k, s, p):
     patch_spconv()
     x = random_cloud(gen, 500)
     eng = get_engine(engine)
-    down = spconv.SparseConv3d(4, 6, k, stride=s, padding=p, bias=False, indice_key="d").double()
-    inv = spconv.SparseInverseConv3d(6, 4, k, indice_key="d", bias=False).double()
+    down = spconv.SparseConv3d(4, 6, k, stride=s, padding=p, bias=False, indice_key="d",
+                                algo=NATIVE).double()
+    inv = spconv.SparseInverseConv3d(6, 4, k, indice_key="d", bias=False, algo=NATIVE).double()
     mid = down(x.to_spconv())
     out_shape = mid.spatial_shape
     oc = output_coords(x.coords, k, s, p, 1, out_shape)
@@ -130,3 +136,30 @@ def test_spconv_engine_in_pieces_with_progress_equals_whole(gen):
     torch.testing.assert_close(gi, ri, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gw, rw, rtol=1e-12, atol=1e-12)
     assert len(calls) == 8
+
+
+@pytest.mark.parametrize("args", [(3, 1, 1, 1), (3, 1, 2, 2), (2, 2, 0, 1), (3, 2, 1, 1)])
+def test_kernel_map_is_the_same_for_any_offsets_per_pass(gen, args):
+    """The GPU's batched lookup (many offsets per pass, no host sync per offset) equals the
+    CPU's offset-at-a-time one, pair for pair and in the same CSR order."""
+    x = random_cloud(gen, 700)
+    out = x.coords if args[1] == 1 else output_coords(x.coords, *args, (8, 8, 8))
+    ref = kernel_map(x.coords, out, *args, offsets_per_pass=1)
+    for per_pass in (2, 5, 27, 1000):
+        km = kernel_map(x.coords, out, *args, offsets_per_pass=per_pass)
+        assert torch.equal(km.ptr, ref.ptr) and torch.equal(km.in_rows, ref.in_rows)
+        assert torch.equal(km.out_rows, ref.out_rows)
+    empty = kernel_map(x.coords[:0], out, *args, offsets_per_pass=5)
+    assert empty.num_pairs == 0 and empty.num_offsets == args[0] ** 3
+
+
+def test_select_keeps_csr_by_offset(gen):
+    x = random_cloud(gen, 500)
+    km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
+    keep = km.in_rows % 3 == 0
+    sel = km.select(keep)
+    for k in range(km.num_offsets):
+        i, o = km.pairs(k)
+        si, so = sel.pairs(k)
+        m = i % 3 == 0
+        assert torch.equal(si, i[m]) and torch.equal(so, o[m])

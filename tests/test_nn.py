@@ -12,6 +12,11 @@ from sparsepipe_hpc.nn import (BatchNorm, ConvError, GlobalPool, SparseConv3d,
                                SparseInverseConv3d, SparseResNet, SparseUNet, SubMConv3d,
                                commit_batchnorm, set_deferred_batchnorm)
 
+# spconv reference layers run on CPU tensors: name the Native algorithm, which both of
+# spconv's builds run on the CPU (its CUDA build picks implicit GEMM otherwise, CUDA only).
+NATIVE = spconv.ConvAlgo.Native
+pytestmark = pytest.mark.usefixtures("spconv_like_cuda_build")
+
 
 @pytest.mark.parametrize("engine", ["torch", "spconv"])
 def test_conv_layers_match_spconv_forward_and_backward(gen, engine):
@@ -19,8 +24,9 @@ def test_conv_layers_match_spconv_forward_and_backward(gen, engine):
     x = random_cloud(gen, 700, channels=4)
     ours = [SubMConv3d(4, 6, 3, engine=engine), SparseConv3d(6, 8, 2, 2, indice_key="a", engine=engine),
             SparseInverseConv3d(8, 5, 2, indice_key="a", engine=engine)]
-    ref = [spconv.SubMConv3d(4, 6, 3, bias=False), spconv.SparseConv3d(6, 8, 2, 2, bias=False, indice_key="a"),
-           spconv.SparseInverseConv3d(8, 5, 2, indice_key="a", bias=False)]
+    ref = [spconv.SubMConv3d(4, 6, 3, bias=False, algo=NATIVE),
+           spconv.SparseConv3d(6, 8, 2, 2, bias=False, indice_key="a", algo=NATIVE),
+           spconv.SparseInverseConv3d(8, 5, 2, indice_key="a", bias=False, algo=NATIVE)]
     for a, b in zip(ours, ref):
         a.double()
         b.double()

@@ -6,7 +6,8 @@
 ``"auto"`` picks spconv on CUDA, and on CPU spconv when torch runs one thread (it measured 1.5x
 faster than the own engine on a U-Net step: ``python -m sparsepipe_hpc.bench engine``) but the
 own torch engine with more threads, since spconv's CPU kernels are only correct on one thread and
-the engine forces them to it.
+the engine forces them to it. Without spconv installed (no ``cpu``/``cuda12``/``cuda13`` extra)
+``auto`` is the own engine.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ _cache: dict[str, Engine] = {}
 def get_engine(name: str = "auto", device: torch.device | str = "cpu") -> Engine:
     """The engine called ``name`` (one of ENGINES); ``auto`` depends on ``device``."""
     if name == "auto":
+        from sparsepipe_hpc.deps import spconv_available
+
         cuda = torch.device(device).type == "cuda"
-        name = "spconv" if cuda or torch.get_num_threads() == 1 else "torch"
+        fast = cuda or torch.get_num_threads() == 1
+        name = "spconv" if fast and spconv_available() else "torch"
     if name not in _cache:
         if name == "torch":
             _cache[name] = TorchEngine()

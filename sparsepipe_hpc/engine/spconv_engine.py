@@ -18,7 +18,7 @@ import torch
 from halo.kmap import KernelMap
 from sparsepipe_hpc.engine.base import Engine, Progress
 
-__all__ = ["SpconvEngine", "patch_spconv", "single_thread"]
+__all__ = ["SpconvEngine", "patch_spconv", "single_thread", "native_dtype"]
 
 _patched = False
 
@@ -56,10 +56,18 @@ def single_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(n)
 
 
+def native_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype spconv computes a ``dtype`` call in on ``device``: bfloat16 on CPU in float32."""
+    return torch.float32 if dtype == torch.bfloat16 and device.type == "cpu" else dtype
+
+
 class SpconvEngine(Engine):
     name = "spconv"
 
     def __init__(self) -> None:
+        from sparsepipe_hpc.deps import check_spconv
+
+        check_spconv(required=True)  # one build, not two half-overwritten ones
         patch_spconv()
         from spconv.pytorch import ops
 
@@ -69,6 +77,10 @@ class SpconvEngine(Engine):
                 progress: Progress = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if kmap.num_pairs == 0:
             return feats.new_zeros(kmap.n_out, weight.shape[0]) if out is None else out
+        work = native_dtype(feats.dtype, feats.device)
+        if work != feats.dtype:
+            y = self.forward(feats.to(work), weight.to(work), kmap, progress).to(feats.dtype)
+            return y if out is None else out.add_(y)
         pairs, counts = kmap.spconv_pairs()
         feats, weight = feats.contiguous(), weight.contiguous()
         with single_thread(feats.device):
@@ -88,6 +100,15 @@ class SpconvEngine(Engine):
             if grad_in is None and need_input_grad:
                 grad_in = feats.new_zeros(kmap.n_in, weight.shape[2])
             return grad_in, torch.zeros_like(weight)
+        work = native_dtype(feats.dtype, feats.device)
+        if work != feats.dtype:
+            gi, gw = self.backward(feats.to(work), weight.to(work), grad_out.to(work), kmap,
+                                   progress, need_input_grad)
+            gw = gw.to(weight.dtype)
+            if gi is None:
+                return None, gw
+            gi = gi.to(feats.dtype)
+            return (gi if grad_in is None else grad_in.add_(gi)), gw
         pairs, counts = kmap.spconv_pairs()
         feats, weight, grad_out = feats.contiguous(), weight.contiguous(), grad_out.contiguous()
         g_in = g_w = None

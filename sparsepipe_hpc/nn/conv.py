@@ -123,7 +123,7 @@ class _SparseConvBase(nn.Module):
             feats = sparse_conv(x.feats, self.weight_matrix(), kmap, engine)
             y = self.output_tensor(x, entry, feats)
         if self.bias is not None:
-            y = y.replace(feats=y.feats + self.bias)
+            y = y.replace(feats=y.feats + self.bias.to(y.feats.dtype))
         return y
 
     def output_tensor(self, x: SparseTensor, entry: ConvEntry, feats: torch.Tensor) -> SparseTensor:

@@ -18,6 +18,7 @@ import torch
 
 from halo.kmap import KernelMap, coord_keys
 from sparsepipe_hpc.engine.base import Engine
+from sparsepipe_hpc.nn.amp import LOW_PRECISION, autocast_inputs
 
 __all__ = ["sparse_conv", "batch_norm", "update_running_stats", "global_pool", "allreduce_"]
 
@@ -55,7 +56,11 @@ class _SparseConv(torch.autograd.Function):
 
 def sparse_conv(feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap,
                 engine: Engine) -> torch.Tensor:
-    """feats [n_in, C_in], weight [C_out, K, C_in] -> [n_out, C_out] over the pairs of ``kmap``."""
+    """feats [n_in, C_in], weight [C_out, K, C_in] -> [n_out, C_out] over the pairs of ``kmap``.
+
+    Under ``torch.autocast`` both are cast to its dtype first (see :mod:`sparsepipe_hpc.nn.amp`).
+    """
+    feats, weight = autocast_inputs(feats, weight)
     return _SparseConv.apply(feats, weight, kmap, engine)
 
 
@@ -134,6 +139,12 @@ def batch_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     ``stats_out`` (float64 [2C + 1]): in training mode, add this batch's reduced statistics
     ``[sum x, sum x^2, count]`` to it instead of updating the running statistics (deferred
     BatchNorm; :func:`update_running_stats` folds the sum in later)."""
+    if x.dtype in LOW_PRECISION:
+        # Mixed precision: normalize in float32 (statistics in float64 either way) and hand the
+        # next layer the dtype it was given, as torch's batch_norm does under autocast.
+        y = _BatchNorm.apply(x.float(), weight.float(), bias.float(), running_mean, running_var,
+                             training, momentum, eps, comm, stats_out)
+        return y.to(x.dtype)
     return _BatchNorm.apply(x, weight, bias, running_mean, running_var, training, momentum, eps,
                             comm, stats_out)
 

@@ -40,6 +40,7 @@ from halo.kmap import KernelMap, kernel_map, output_coords
 from halo.plan import build_plan, halo_radius
 from halo.transport.mpi import MPITransport
 from sparsepipe_hpc.engine.base import Engine
+from sparsepipe_hpc.nn.amp import autocast_inputs
 from sparsepipe_hpc.nn.conv import ConvEntry, inverse_entry
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.tracing import span
@@ -124,11 +125,13 @@ class SpatialDomain:
         if layer.transposed:
             entry = inverse_entry(layer, x)
             maps = cast(DistMaps, entry.extra)
-            feats = _DistConv.apply(x.feats, layer.weight_matrix(), maps, engine,
+            f, w = autocast_inputs(x.feats, layer.weight_matrix())
+            feats = _DistConv.apply(f, w, maps, engine,
                                     self.group.overlap, True)
             return layer.output_tensor(x, entry, feats)
         built = self.entry(layer, x)
-        feats = _DistConv.apply(x.feats, layer.weight_matrix(), built.extra, engine,
+        f, w = autocast_inputs(x.feats, layer.weight_matrix())
+        feats = _DistConv.apply(f, w, built.extra, engine,
                                 self.group.overlap, False)
         return layer.output_tensor(x, built, feats)
 

@@ -48,9 +48,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from sparsepipe_hpc.train.output import OutputError
 
     comm = MPI.COMM_WORLD
+    from sparsepipe_hpc.deps import DependencyError, check_spconv
+
     user_errors = (ConfigError, LayoutError, SetupError, CheckpointError, DataFormatError,
-                   DataGenerationError)
+                   DataGenerationError, DependencyError)
     try:
+        agree(comm, check_spconv)  # two spconv builds in one environment: stop before any work
         # Every rank must train the same run: a config file that fails on one rank only, or a
         # different --grid, --steps or --lr on one rank, stops every rank here with the values.
         cfg = agree(comm, lambda: parse_config(argv))

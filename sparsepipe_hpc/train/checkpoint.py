@@ -226,16 +226,25 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
-def rng_state(aug: Optional[torch.Generator] = None) -> dict[str, Any]:
-    """This process's random states: torch (CPU), numpy's global, python's, and ``aug``."""
+def rng_state(aug: Optional[torch.Generator] = None,
+              device: Optional[torch.device] = None) -> dict[str, Any]:
+    """This process's random states: torch (CPU), numpy's global, python's, ``aug``, and the
+    CUDA generator of ``device`` when it is a GPU (dropout and the like draw from it there)."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
              "python": random.getstate()}
     if aug is not None:
         state["aug"] = aug.get_state()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any], aug: Optional[torch.Generator] = None) -> None:
+def set_rng_state(state: dict[str, Any], aug: Optional[torch.Generator] = None,
+                  device: Optional[torch.device] = None) -> None:
+    """Restore :func:`rng_state`; the CUDA state only on a GPU ``device`` (a CPU run resuming a
+    GPU checkpoint, or the reverse, keeps its own CUDA stream: nothing on the CPU draws from it)."""
+    if device is not None and device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])

@@ -93,6 +93,8 @@ class TrainConfig:
     cuts: str = "balanced"
     overlap: bool = True
     engine: str = "auto"
+    device: str = "auto"
+    precision: str = "fp32"
     threads: int = 1
     augment: bool = True
     input: str = "auto"
@@ -248,6 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap halo exchange with the interior convolution (default on)")
     g.add_argument("--threads", type=_positive_int, metavar="N", help="compute threads per rank "
                    "(default 1; spconv's CPU kernels always run on one)")
+    g = p.add_argument_group("device and precision")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where each rank computes "
+                   "(default auto: the GPU launch.device gives this local rank when torch sees "
+                   "CUDA, else the CPU); cuda without a CUDA device is an error")
+    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="fp32, or mixed "
+                   "precision under torch.autocast: convolutions and activations in bf16/fp16, "
+                   "float32 master weights, BatchNorm statistics and reductions in float32 or "
+                   "wider; fp16 adds dynamic loss scaling (default fp32)")
     return p
 
 
@@ -333,6 +343,7 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
                                        or cfg.micro_batches > 1):
         raise ConfigError("--input distributed reads scenes (--task seg) for an unpipelined "
                           "spatial group (no --stages or --micro-batches); use --input whole")
+    _check_device(cfg)
     if cfg.resume == "auto" and cfg.out is None:
         raise ConfigError("--resume auto looks for <out>/last.pt, so it needs --out DIR")
     if cfg.trace is not None and Path(cfg.trace).is_dir():  # found now, not after training
@@ -349,6 +360,22 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
         except PlotError as e:
             raise ConfigError(str(e)) from None
     return cfg
+
+
+def _check_device(cfg: TrainConfig) -> None:
+    """What --device cuda and --precision can run with today (pure: CUDA presence is checked by
+    the trainer, sparsepipe_hpc.train.device)."""
+    spatial = math.prod(cfg.grid) > 1
+    if cfg.device == "cuda" and (spatial or cfg.stages > 1 or cfg.micro_batches > 1):
+        raise ConfigError(f"--device cuda runs data parallelism only (--grid 1,1,1, --stages 1, "
+                          f"--micro-batches 1) for now: halo exchange and stage transfers move "
+                          f"host tensors; got --grid {','.join(map(str, cfg.grid))} --stages "
+                          f"{cfg.stages} --micro-batches {cfg.micro_batches}; pass --device cpu "
+                          "for spatial or pipeline parallelism")
+    if cfg.precision != "fp32" and (cfg.stages > 1 or cfg.micro_batches > 1):
+        raise ConfigError(f"--precision {cfg.precision} runs without a pipeline for now (stage "
+                          f"transfers carry float32); got --stages {cfg.stages} --micro-batches "
+                          f"{cfg.micro_batches}; pass --precision fp32")
 
 
 def distributed_input(cfg: TrainConfig) -> bool:

@@ -78,6 +78,7 @@ from sparsepipe_hpc.train.agreement import (SetupError, agree, check_grid_fits, 
 from sparsepipe_hpc.parallel.input import LocalBatch, read_distributed
 from sparsepipe_hpc.train.config import (TrainConfig, distributed_input, local_batch_size,
                                          resolve_layout)
+from sparsepipe_hpc.train.device import Precision, move_tensor, trainer_device
 from sparsepipe_hpc.train.metrics import ConfusionMatrix, MetricsLog, format_summary
 from sparsepipe_hpc.train.output import OutputError, atomic_write, check_out_dir, format_bytes
 from sparsepipe_hpc.tracing import Recorder, gather_chrome_trace, recording, span
@@ -143,6 +144,12 @@ class Trainer:
         self.ctx = ParallelContext(comm, self.layout, cuts=cfg.cuts, overlap=cfg.overlap)
         self.is_root = comm.Get_rank() == 0
         self._log = log if self.is_root else None
+        # --device, --precision (sparsepipe_hpc.train.device): a ConfigError on every rank when
+        # CUDA is asked for and absent.
+        self.device, device_note = trainer_device(cfg, comm)
+        self.precision = Precision(cfg.precision, self.device)
+        if device_note:
+            self._say(f"note: {device_note}")
         self.seg = cfg.task == "seg"
 
         data_dir = Path(cfg.data) if cfg.data else default_data(cfg.task, comm=comm)
@@ -159,6 +166,7 @@ class Trainer:
         self.model = build_model(cfg.model, self.train_set.in_channels, self.num_classes,
                                  width=cfg.width, depth=cfg.depth, engine=cfg.engine)
         self.ctx.broadcast_parameters(self.model)
+        self.model.to(self.device)  # before the optimizer is built on its parameters
         self.stride = self.model.total_stride
         # The default margin holds every augmented point (flips, swap, jitter), so training can
         # voxelize with clip=False: a point off the grid is an error, never silently dropped.
@@ -273,7 +281,8 @@ class Trainer:
             # Otherwise rank 0's: the data order and augmentation do not depend on them anyway.
             same = len(states) == self.comm.Get_size()
             mine = states[self.comm.Get_rank()] if same else states[0]
-            ckpt_io.set_rng_state(mine)
+            ckpt_io.set_rng_state(mine, device=self.device)
+            self.precision.load_state_dict(ckpt.get("scaler"))
         except (KeyError, RuntimeError, TypeError) as e:
             raise ckpt_io.CheckpointError(f"--resume {path}: does not fit this run "
                                           f"({type(e).__name__}: {e})") from None
@@ -357,14 +366,20 @@ class Trainer:
                        generator=generators, clip=False)
 
     def _forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(logits, labels, my voxels): logits [n_local, K] (seg) or [B_replica, K] (cls)."""
+        """(logits, labels, my voxels): logits [n_local, K] (seg) or [B_replica, K] (cls), float32
+        (the model runs under ``--precision``'s autocast), on the trainer's device."""
+        dev = self.device
         if isinstance(batch, LocalBatch):  # already this rank's box
-            return self.model(batch.x).feats, batch.labels, batch.x.num_voxels
-        if self.seg:
+            x, labels = batch.x, batch.labels
+        elif self.seg:
             x, labels = self.ctx.distribute(batch.x, batch.labels, align=self.stride)
-            return self.model(x).feats, labels, x.num_voxels  # type: ignore[return-value]
-        (x,) = self.ctx.distribute(batch.x, align=self.stride)
-        return self.model(x), batch.labels, x.num_voxels
+        else:
+            (x,) = self.ctx.distribute(batch.x, align=self.stride)
+            labels = batch.labels
+        with self.precision.autocast():
+            out = self.model(move_tensor(x, dev))
+        logits = out.feats if self.seg else out
+        return logits.float(), labels.to(dev, non_blocking=True), x.num_voxels
 
     # --- one step --------------------------------------------------------------------------------
     def train_step(self, indices: Sequence[int], epoch: int) -> tuple[torch.Tensor, int]:
@@ -382,11 +397,11 @@ class Trainer:
                 share = ce / (self.cfg.batch_size * self.ctx.spatial_size)
         self.optimizer.zero_grad(set_to_none=True)
         with span("backward", "backward"):
-            share.backward()
+            self.precision.backward(share)  # scaled for fp16
         with span("allreduce", "allreduce"):
             self.ctx.allreduce_gradients(self.model)
         with span("optimizer", "optimizer"):
-            self.optimizer.step()
+            self.precision.step(self.optimizer)  # fp16: unscale the summed gradients, maybe skip
         self.scheduler.step()
         return share.detach(), n_local
 
@@ -463,7 +478,7 @@ class Trainer:
             # seg: each voxel lives on one rank. cls: every spatial rank holds the same logits,
             # so only spatial rank 0 of a replica counts them.
             if got is not None and (self.seg or self.ctx.position.spatial == 0):
-                cm.update(got[0].argmax(1), got[1])
+                cm.update(got[0].argmax(1).cpu(), got[1].cpu())
         if self.pipe is not None:  # only the last stage counted: sum over every rank
             allreduce_(cm.matrix, self.comm)
         else:
@@ -490,7 +505,7 @@ class Trainer:
         """
         path = path or self.out / ckpt_io.LAST
         stage_optimizers = self._sync_stages()
-        states = self.comm.gather(ckpt_io.rng_state(), root=0)
+        states = self.comm.gather(ckpt_io.rng_state(device=self.device), root=0)
 
         def write() -> None:
             if not self.is_root:
@@ -508,6 +523,8 @@ class Trainer:
                 "rng": states, "config": config, "layout": layout, "versions": versions}
             if stage_optimizers is not None:
                 state["optimizer_stages"] = stage_optimizers
+            if self.precision.scaler is not None:  # fp16: the loss scale continues
+                state["scaler"] = self.precision.state_dict()
             digest = ckpt_io.save_checkpoint(state, path,
                 {"step": self.step, "epoch": self.epoch, "total_steps": self.total_steps,
                  "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config,
@@ -555,7 +572,8 @@ class Trainer:
                   f"{'x'.join(map(str, self.shape))} voxels of {cfg.voxel_size} m; {self.layout}"
                   + (" (each rank reads its share of the points)" if self.distributed_input
                      else "") + "; "
-                  f"{self.total_steps} steps of global batch {cfg.batch_size}; out {self.out}"
+                  f"{self.total_steps} steps of global batch {cfg.batch_size} on {self.device}"
+                  + (f" in {cfg.precision}" if cfg.precision != "fp32" else "") + f"; out {self.out}"
                   + (f"; resumed at step {self.step}" if self.resumed_from else ""))
         bar = tqdm(total=self.total_steps, initial=self.step, desc=cfg.task, unit="step",
                    disable=not (self.is_root and cfg.progress), mininterval=0.5, file=sys.stderr,

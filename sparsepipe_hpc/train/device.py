@@ -1,0 +1,151 @@
+"""Where and in which precision the trainer computes: ``--device`` and ``--precision``.
+
+    device = resolve_device("auto", local_rank=0)        # cuda:<local rank % GPUs>, else cpu
+    prec = Precision("bf16", device)
+    with prec.autocast():                                 # bf16 convolutions and activations
+        loss = model(x.to(device)) ...
+    prec.backward(loss); allreduce(grads); prec.step(optimizer)   # GradScaler only for fp16
+
+``auto`` takes the GPU that :mod:`launch.device` gives this local rank (round-robin over the
+visible devices) when torch sees CUDA, else the CPU; ``cuda`` without a usable CUDA device is a
+:class:`ConfigError` naming what torch sees. Mixed precision is torch's autocast: weights and
+optimizer state stay float32 (master weights), convolutions and linear layers run in the low
+dtype (the library's sparse convolutions cast to it themselves, :mod:`sparsepipe_hpc.nn.amp`),
+BatchNorm statistics and all cross-rank reductions stay in float32/float64, the loss is float32;
+fp16 adds dynamic loss scaling (``torch.amp.GradScaler``; bf16 has float32's range and needs
+none). Gradients are all-reduced while still scaled; the scaler unscales after the sum, so every
+rank sees the same inf/NaN verdict and skips (or takes) the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator, Optional
+
+import torch
+
+from sparsepipe_hpc.train.config import ConfigError
+
+__all__ = ["DEVICES", "PRECISIONS", "resolve_device", "trainer_device", "cuda_device_count",
+           "Precision", "move_tensor"]
+
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16", "fp16")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cuda_device_count() -> int:
+    """CUDA devices torch can use in this process (0 on a CPU build of torch or without a driver)."""
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver counts as none; --device cuda then says so
+        return 0
+
+
+def resolve_device(name: str, local_rank: int = 0, count: Optional[int] = None) -> torch.device:
+    """The device of ``--device name`` for the rank with ``local_rank`` on its node.
+
+    ``count``: CUDA devices visible (default: what torch sees). Makes the chosen GPU torch's
+    current device. Raises ConfigError for an unknown name or ``cuda`` without a CUDA device.
+    """
+    if name not in DEVICES:
+        raise ConfigError(f"--device must be one of {', '.join(DEVICES)}; got {name!r}")
+    if name == "cpu":
+        return torch.device("cpu")
+    n = cuda_device_count() if count is None else count
+    if n == 0:
+        if name == "auto":
+            return torch.device("cpu")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ConfigError(
+            f"--device cuda: torch sees no CUDA device (torch {torch.__version__}, CUDA build "
+            f"{torch.version.cuda or 'none'}, CUDA_VISIBLE_DEVICES="
+            f"{'unset' if visible is None else repr(visible)}); run on a GPU machine with a CUDA "
+            "build of torch, or pass --device cpu (or auto, which falls back to the CPU)")
+    from launch.device import gpu_for_local_rank
+
+    index = gpu_for_local_rank(local_rank, n)
+    assert index is not None  # n > 0
+    if count is None:  # a real device: make it current, as launch.device.bind_gpu does
+        torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def trainer_device(cfg: Any, comm: Any) -> tuple[torch.device, Optional[str]]:
+    """The trainer's device on this rank and a note for the user (or None). **Collective** (the
+    local rank may come from splitting ``comm``; a ConfigError on any rank is raised on all).
+
+    ``auto`` stays on the CPU for spatial or pipeline runs, whose halo and stage transfers move
+    host tensors (the note says so); ``cuda`` there is refused by the config already.
+    """
+    import math
+
+    from sparsepipe_hpc.train.agreement import agree
+
+    if cfg.device == "cpu":
+        return torch.device("cpu"), None
+    host_only = math.prod(cfg.grid) > 1 or cfg.stages > 1 or cfg.micro_batches > 1
+    local_rank = 0
+    if cfg.device == "cuda" or not host_only:
+        from launch.env import detect
+
+        local_rank = detect(comm).local_rank
+    if cfg.device == "auto" and host_only:
+        note = ("--device auto: spatial and pipeline runs compute on the CPU for now (their "
+                "halo and stage transfers move host tensors)") if cuda_device_count() else None
+        return torch.device("cpu"), note
+    device = agree(comm, lambda: resolve_device(cfg.device, local_rank))
+    return device, None
+
+
+def move_tensor(x: Any, device: torch.device) -> Any:
+    """A SparseTensor with coordinates and features on ``device`` (itself when already there).
+
+    Call it before the first layer: kernel maps built from the moved coordinates live on the
+    device too.
+    """
+    if x.feats.device == device and x.coords.device == device:
+        return x
+    return x.replace(coords=x.coords.to(device, non_blocking=True),
+                     feats=x.feats.to(device, non_blocking=True), kmaps={})
+
+
+class Precision:
+    """``--precision`` on a device: the autocast context and the (fp16) loss scaler."""
+
+    def __init__(self, name: str, device: torch.device):
+        if name not in PRECISIONS:
+            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}; got {name!r}")
+        self.name, self.device = name, device
+        self.dtype: Optional[torch.dtype] = _DTYPES.get(name)
+        self.scaler: Optional[torch.amp.GradScaler] = (
+            torch.amp.GradScaler(device.type) if name == "fp16" else None)
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Run the forward (and the loss) under autocast in the low dtype; no-op for fp32."""
+        if self.dtype is None:
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=self.dtype):
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled for fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Optimizer step on (all-reduced) gradients: unscaled and skipped on inf/NaN for fp16."""
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
