@@ -73,15 +73,16 @@ def main(argv: list[str]) -> None:
             worst = comm.allreduce(step_s, op=MPI.MAX), comm.allreduce(tail_s, op=MPI.MAX)
             if rep:
                 times[name].append(worst)
-    rows = [{"mode": m, "step_s": statistics.median(s for s, _ in ts),
+    rows: list[dict[str, Any]] = [{"mode": m, "step_s": statistics.median(s for s, _ in ts),
              "reduce_after_backward_s": statistics.median(t for _, t in ts)}
             for m, ts in times.items()]
     if comm.Get_rank() == 0:
         print(f"{comm.Get_size()} ranks, {grad_bytes / 2**20:.2f} MiB of gradients, "
               f"{x.num_voxels} voxels per rank, median of {args.repeats}")
         for row in rows:
-            print(f"  {row['mode']:<34} step {row['step_s'] * 1e3:8.1f} ms   reduction left "
-                  f"after backward {row['reduce_after_backward_s'] * 1e3:7.2f} ms")
+            step_ms, tail_ms = 1e3 * float(row["step_s"]), 1e3 * float(row["reduce_after_backward_s"])
+            print(f"  {row['mode']:<34} step {step_ms:8.1f} ms   reduction left after backward "
+                  f"{tail_ms:7.2f} ms")
         if args.json:
             write_json(args.json, {"benchmark": "allreduce", "ranks": comm.Get_size(),
                                    "gradient_bytes": grad_bytes, "voxels_per_rank": x.num_voxels,
