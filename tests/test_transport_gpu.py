@@ -48,3 +48,19 @@ def test_nccl_world_of_one_send_to_self_and_allreduce():
     tr.allreduce_(t)
     torch.cuda.current_stream().synchronize()
     assert torch.equal(recv, send) and torch.equal(t, send)
+
+
+@needs_cuda
+@needs_cupy
+def test_ipc_transport_to_self():
+    from mpi4py import MPI
+
+    from halo.transport.ipc import IPCTransport
+    from halo.transport.streams import CudaDevice
+
+    tr = IPCTransport(MPI.COMM_SELF, CudaDevice())
+    send = torch.arange(256, dtype=torch.int64, device="cuda")
+    recv = torch.zeros_like(send)
+    tr.start([(0, send)], [(0, recv)], tag=2).wait()
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(recv, send)

@@ -86,7 +86,7 @@ def test_importing_the_packages_does_not_import_cupy():
     code = ("import sys, sparsepipe_hpc, halo, halo.transport, halo.transport.streams, "
             "halo.transport.staged, halo.transport.collectives, sparsepipe_hpc.train.loop, "
             "sparsepipe_hpc.parallel.gradients; "
-            "import halo.transport.nccl; "
+            "import halo.transport.nccl, halo.transport.ipc; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cupy'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

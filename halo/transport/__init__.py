@@ -12,7 +12,8 @@ order, as in MPI. Layers above never touch MPI directly, so a device transport c
 Modules: ``base`` (the interface), ``mpi`` (host tensors, mpi4py), ``collectives`` (all-reduce and
 broadcast of tensors: the one home of every reduction the layers make), ``streams`` (stream/event
 ordering: CUDA through torch, and a CPU stand-in for tests; staging-buffer pool), ``staged``
-(device -> pinned host -> MPI -> host -> device), ``nccl`` (CuPy NCCL; unverified, no GPU yet),
+(device -> pinned host -> MPI -> host -> device), ``nccl`` (CuPy NCCL) and ``ipc`` (CUDA IPC
+between ranks of a node) - both unverified, no GPU yet -,
 ``select`` (``--transport auto|nccl|ipc|staged|mpi``), ``delay`` (a simulated slow network).
 Nothing here imports CuPy at module import.
 """
