@@ -64,3 +64,14 @@ def test_ipc_transport_to_self():
     tr.start([(0, send)], [(0, recv)], tag=2).wait()
     torch.cuda.current_stream().synchronize()
     assert torch.equal(recv, send)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_gpu_comm_bench_says_it_needs_a_gpu():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "sparsepipe_hpc.bench", "gpu-comm"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "bench gpu-comm: no CUDA device here" in out.stderr, out.stderr
