@@ -11,8 +11,11 @@ import sparsepipe_hpc.bench as bench
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    names = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
-    if not argv or argv[0] not in names:
+    names = sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(bench.__path__)
+                   if not m.name.startswith("_"))
+    if argv and argv[0].replace("_", "-") in names:  # gpu-comm and gpu_comm both work
+        argv = [argv[0].replace("-", "_"), *argv[1:]]
+    if not argv or argv[0].replace("_", "-") not in names:
         sys.exit(f"usage: python -m sparsepipe_hpc.bench {{{','.join(names)}}} [options]")
     from launch.env import prefer_shared_memory
     from launch.run import abort_on_exception

@@ -17,25 +17,11 @@ from typing import Any, Optional
 import torch
 
 from halo.kmap import KernelMap, coord_keys
+from halo.transport.collectives import allreduce_  # re-exported: its home is the transport layer
 from sparsepipe_hpc.engine.base import Engine
 from sparsepipe_hpc.nn.amp import LOW_PRECISION, autocast_inputs
 
 __all__ = ["sparse_conv", "batch_norm", "update_running_stats", "global_pool", "allreduce_"]
-
-
-def allreduce_(t: torch.Tensor, comm: Any, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce of a contiguous CPU tensor over ``comm`` (no-op when comm is None)."""
-    if comm is None or comm.Get_size() == 1:
-        return t
-    from mpi4py import MPI
-
-    mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-    shared = t.device.type == "cpu" and t.is_contiguous()
-    host = t.detach() if shared else t.detach().cpu().contiguous()
-    comm.Allreduce(MPI.IN_PLACE, host.numpy(), op=mpi_op)
-    if not shared:
-        t.copy_(host)
-    return t
 
 
 class _SparseConv(torch.autograd.Function):

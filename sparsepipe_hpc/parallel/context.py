@@ -4,6 +4,8 @@
     x, y = ctx.distribute(batch_x, voxel_labels)   # this rank's voxels, context attached
     share = F.cross_entropy(model(x).feats, y, reduction="sum") / ctx.global_count(len(y))
     share.backward(); ctx.allreduce_gradients(model)    # = single-process gradients
+    # or bucketed, started during backward: r = ctx.gradient_reducer(model) once, then per step
+    # r.arm(); share.backward(); r.finish()
 
 Loss convention: each rank computes a *share* of the loss, and the shares of all ranks sum to the
 single-process loss of the global batch. Gradients are then summed (not averaged) over every rank
@@ -25,7 +27,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from halo.cuts import Cuts
-from sparsepipe_hpc.nn.functional import allreduce_
+from halo.transport.collectives import allreduce_, bcast_
+from sparsepipe_hpc.parallel.gradients import DEFAULT_BUCKET_BYTES, GradientReducer
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
 from sparsepipe_hpc.sparse import SparseTensor
 
@@ -151,26 +154,36 @@ class ParallelContext:
         return int(self.stats_comm.allreduce(int(n_local)))
 
     def allreduce_gradients(self, params: Sequence[torch.nn.Parameter] | torch.nn.Module) -> None:
-        """Sum gradients over every rank holding these parameters, in one flat buffer."""
+        """Sum gradients over every rank holding these parameters, in one flat buffer per dtype
+        (a parameter without a gradient counts as zeros and gets the sum)."""
         if isinstance(params, torch.nn.Module):
             params = list(params.parameters())
         if self.stats_comm.Get_size() == 1:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads]).contiguous()
-        allreduce_(flat, self.stats_comm)
-        offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
-            offset += n
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        for p in params:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        for group in groups.values():
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
+            flat = torch.cat([g.reshape(-1) for g in grads]).contiguous()
+            allreduce_(flat, self.stats_comm)
+            offset = 0
+            for p, g in zip(group, grads):
+                n = g.numel()
+                p.grad = flat[offset:offset + n].view_as(p).clone()
+                offset += n
+
+    def gradient_reducer(self, params: Sequence[torch.nn.Parameter] | torch.nn.Module,
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> GradientReducer:
+        """A :class:`GradientReducer` over the stage's ranks: :meth:`allreduce_gradients`'s sums,
+        bucketed and started during the step's last backward (collective to construct)."""
+        if isinstance(params, torch.nn.Module):
+            params = list(params.parameters())
+        return GradientReducer(params, self.stats_comm, bucket_bytes)
 
     def broadcast_parameters(self, module: torch.nn.Module) -> None:
         """Make every rank start from rank 0's parameters and buffers."""
         if self.world.Get_size() == 1:
             return
         for t in list(module.parameters()) + list(module.buffers()):
-            host = t.detach().cpu().contiguous()  # a copy for device tensors, a view on CPU
-            self.world.Bcast(host.numpy(), root=0)
-            with torch.no_grad():
-                t.copy_(host)
+            bcast_(t, self.world, root=0)

@@ -22,7 +22,8 @@ Contract of :meth:`StageExecutor.run` on the ranks of stage ``stage``:
   micro-batch (an empty list on the other stages).
 * Parameter gradients *accumulate* into ``.grad`` over the micro-batches (zero them before);
   ``step()`` runs at the schedule's STEP, after every send has completed: the caller's gradient
-  all-reduce over the stage's ranks (ParallelContext.allreduce_gradients) and optimizer step.
+  all-reduce over the stage's ranks (ParallelContext.allreduce_gradients, or a GradientReducer
+  armed by ``last_backward`` and finished here) and optimizer step.
 
 Actions: RECV_ACT waits for a carry (its header receive was posted when ``run`` started), FORWARD
 runs the stage's blocks on the carry entries it pops (stage 0: the micro-batch input) and keeps
@@ -171,8 +172,13 @@ class StageExecutor:
     def run(self, inputs: Sequence[Optional[SparseTensor]], contexts: Sequence[Any],
             loss_fn: Optional[Callable[[int, Any], torch.Tensor]] = None,
             step: Optional[Callable[[], None]] = None,
-            backward: bool = True) -> list[torch.Tensor]:
+            backward: bool = True,
+            last_backward: Optional[Callable[[], None]] = None) -> list[torch.Tensor]:
         """Run the stage's program once (one mini-batch); see the module docstring.
+
+        ``last_backward``: called just before the program's last BACKWARD action, the one after
+        which the parameter gradients are final (``GradientReducer.arm``: buckets start their
+        all-reduce during that backward, ``step`` finishes them).
 
         ``backward=False`` (evaluation): only the forward actions and their transfers run, under
         ``torch.no_grad()``; nothing steps. ``loss_fn`` may then return any tensor (a loss, the
@@ -204,7 +210,8 @@ class StageExecutor:
             actions = tuple(a for a in actions
                             if a.op in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT))
         self.transfers = []
-        for act in actions:
+        last_bwd = max((k for k, a in enumerate(actions) if a.op is Op.BACKWARD), default=-1)
+        for k, act in enumerate(actions):
             with span(str(act), _CATEGORY[act.op], micro_batch=act.micro_batch,
                       peer=act.peer) as info:
                 if act.op is Op.STEP:
@@ -251,6 +258,8 @@ class StageExecutor:
                     out_grads[i].update(zip((s.id for s in out_slots), got_g))
                     self._count(info, "recv", "grad", i, peer, out_slots, got_g)
                 elif act.op is Op.BACKWARD:
+                    if k == last_bwd and last_backward is not None:
+                        last_backward()
                     in_grads[i] = self._backward(i, outputs.pop(i), out_grads.pop(i),
                                                  received.pop(i), losses.get(i))
                     kmaps.pop(i)

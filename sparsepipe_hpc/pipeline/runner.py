@@ -90,11 +90,13 @@ class Pipeline:
     def run(self, inputs: Sequence[Optional[SparseTensor]], contexts: Sequence[Any],
             loss_fn: Optional[Callable[[int, Any], torch.Tensor]],
             step: Optional[Callable[[], None]] = None,
-            backward: bool = True) -> list[torch.Tensor]:
+            backward: bool = True,
+            last_backward: Optional[Callable[[], None]] = None) -> list[torch.Tensor]:
         """One mini-batch through the schedule (StageExecutor.run's contract); loss shares of
         the micro-batches on the last stage, [] elsewhere. ``backward=False``: forward only
-        (evaluation), ``loss_fn``'s results returned."""
+        (evaluation), ``loss_fn``'s results returned. ``last_backward``: see StageExecutor.run."""
         shares = self.executor.run(inputs if self.is_first else [None] * self.micro_batches,
-                                   contexts, loss_fn if self.is_last else None, step, backward)
+                                   contexts, loss_fn if self.is_last else None, step, backward,
+                                   last_backward)
         commit_batchnorm(self.blocks)  # deferred BatchNorm: one update for the mini-batch
         return shares

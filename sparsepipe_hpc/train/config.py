@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence
 
+from halo.transport.base import TransportError
+from halo.transport.select import TRANSPORTS, choose_transport
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout, parse_grid
 from sparsepipe_hpc.sparse import MAX_BATCH
 
@@ -96,6 +98,8 @@ class TrainConfig:
     device: str = "auto"
     precision: str = "fp32"
     threads: int = 1
+    grad_bucket_mb: float = 4.0
+    transport: str = "auto"
     augment: bool = True
     input: str = "auto"
     progress: bool = True
@@ -259,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap halo exchange with the interior convolution (default on)")
     g.add_argument("--threads", type=_positive_int, metavar="N", help="compute threads per rank "
                    "(default 1; spconv's CPU kernels always run on one)")
+    g.add_argument("--grad-bucket-mb", type=_nonneg_float, metavar="MB", help="gradient "
+                   "all-reduce in buckets of this many MiB, each started during backward as soon "
+                   "as its gradients are final (default 4); 0: one flat all-reduce after backward")
+    g.add_argument("--transport", choices=TRANSPORTS, help="how ranks exchange data (default "
+                   "auto: mpi on CPU); nccl, ipc and staged move device tensors and need "
+                   "--device cuda")
     g = p.add_argument_group("device and precision")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where each rank computes "
                    "(default auto: the GPU launch.device gives this local rank when torch sees "
@@ -354,6 +364,10 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
         raise ConfigError("--input distributed reads scenes (--task seg) for an unpipelined "
                           "spatial group (no --stages or --micro-batches); use --input whole")
     _check_device(cfg)
+    try:
+        choose_transport(cfg.transport, "cpu" if cfg.device == "cpu" else None)
+    except TransportError as e:
+        raise ConfigError(str(e)) from None
     if cfg.resume == "auto" and cfg.out is None:
         raise ConfigError("--resume auto looks for <out>/last.pt, so it needs --out DIR")
     if cfg.trace is not None and Path(cfg.trace).is_dir():  # found now, not after training

@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from sparsepipe_hpc.data import (ModelNetDataset, SceneDataset, ShardedBatches, check_splits,
                                  collate, default_data, grid_for)
 from sparsepipe_hpc.nn import build_model
-from sparsepipe_hpc.nn.functional import allreduce_
+from halo.transport.collectives import allreduce_
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.pipeline.executor import sample_bounds, split_batch
 from sparsepipe_hpc.pipeline.runner import Pipeline
@@ -79,6 +79,7 @@ from sparsepipe_hpc.parallel.input import LocalBatch, read_distributed
 from sparsepipe_hpc.train.config import (TrainConfig, distributed_input, local_batch_size,
                                          resolve_layout)
 from sparsepipe_hpc.train.device import Precision, move_tensor, trainer_device
+from sparsepipe_hpc.train.transport import trainer_transport
 from sparsepipe_hpc.train.metrics import ConfusionMatrix, MetricsLog, format_summary
 from sparsepipe_hpc.train.output import OutputError, atomic_write, check_out_dir, format_bytes
 from sparsepipe_hpc.tracing import Recorder, gather_chrome_trace, recording, span
@@ -186,6 +187,12 @@ class Trainer:
 
         params = list(self.pipe.parameters() if self.pipe else self.model.parameters())
         self.train_params = params
+        # --transport (halo.transport.select): the same ConfigError on every rank when a device
+        # transport is asked for without CUDA. --grad-bucket-mb: bucketed all-reduce started
+        # during backward (sparsepipe_hpc.parallel.gradients), or one flat one after it (0).
+        self.transport = trainer_transport(cfg, self.device, comm)
+        self.reducer = (self.ctx.gradient_reducer(params, max(1, int(cfg.grad_bucket_mb * 2**20)))
+                        if cfg.grad_bucket_mb > 0 else None)
         if cfg.optimizer == "sgd":
             self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
                 params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
@@ -396,10 +403,15 @@ class Trainer:
             else:  # every spatial rank holds the replica's pooled logits: each carries 1/spatial
                 share = ce / (self.cfg.batch_size * self.ctx.spatial_size)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.reducer is not None:
+            self.reducer.arm()  # buckets start their all-reduce from inside this backward
         with span("backward", "backward"):
             self.precision.backward(share)  # scaled for fp16
         with span("allreduce", "allreduce"):
-            self.ctx.allreduce_gradients(self.model)
+            if self.reducer is not None:
+                self.reducer.finish()
+            else:
+                self.ctx.allreduce_gradients(self.model)
         with span("optimizer", "optimizer"):
             self.precision.step(self.optimizer)  # fp16: unscale the summed gradients, maybe skip
         self.scheduler.step()
@@ -438,12 +450,16 @@ class Trainer:
 
         def step() -> None:
             with span("allreduce", "allreduce"):
-                ctx.allreduce_gradients(self.train_params)
+                if self.reducer is not None:
+                    self.reducer.finish()  # armed before the last micro-batch's backward
+                else:
+                    ctx.allreduce_gradients(self.train_params)
             with span("optimizer", "optimizer"):
                 self.optimizer.step()
 
         self.optimizer.zero_grad(set_to_none=True)
-        shares = pipe.run(inputs, contexts, loss_fn, step)
+        shares = pipe.run(inputs, contexts, loss_fn, step,
+                          last_backward=self.reducer.arm if self.reducer is not None else None)
         self.scheduler.step()
         share = torch.stack(shares).sum() if shares else torch.zeros(())
         return share, n_local if pipe.is_first else 0
@@ -573,7 +589,8 @@ class Trainer:
                   + (" (each rank reads its share of the points)" if self.distributed_input
                      else "") + "; "
                   f"{self.total_steps} steps of global batch {cfg.batch_size} on {self.device}"
-                  + (f" in {cfg.precision}" if cfg.precision != "fp32" else "") + f"; out {self.out}"
+                  + (f" in {cfg.precision}" if cfg.precision != "fp32" else "")
+                  + f"; transport {self.transport}" + f"; out {self.out}"
                   + (f"; resumed at step {self.step}" if self.resumed_from else ""))
         bar = tqdm(total=self.total_steps, initial=self.step, desc=cfg.task, unit="step",
                    disable=not (self.is_root and cfg.progress), mininterval=0.5, file=sys.stderr,

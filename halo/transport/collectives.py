@@ -1,0 +1,154 @@
+"""Collectives on tensors: all-reduce (blocking and started), broadcast - the one home for them.
+
+    allreduce_(stats, comm)                  # in place, sum over comm (no-op for None / 1 rank)
+    req = iallreduce_(bucket, comm)          # started; compute meanwhile ...
+    req.wait()                               # bucket now holds the sum
+    bcast_(weights, comm, root=0)
+
+Every layer that sums over ranks (BatchNorm statistics, pooling, loss counts, metrics, gradients)
+calls these, never mpi4py directly. Host (CPU) tensors go to MPI as raw bytes at their address
+with the matching MPI datatype: no numpy, no copy, no pickling. A tensor MPI has no datatype for
+(float16, bfloat16, bool) is reduced through a float64/int64 copy (exact for max/min; a sum rounds
+once, to the tensor's dtype); a non-contiguous one through a contiguous copy. Device tensors: with a
+``transport`` that has ``allreduce_`` (the device transports of :mod:`halo.transport.device`) they
+stay on the device; without one they are staged through a host copy (correct, not fast).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from halo.transport.base import CompletedRequest, Request
+
+__all__ = ["allreduce_", "iallreduce_", "bcast_", "mpi_op"]
+
+_OPS = ("sum", "max", "min")
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI  # imported on use: the geometry half of halo needs no MPI
+
+    return MPI
+
+
+def mpi_op(op: str) -> Any:
+    """The MPI reduction of ``op`` ("sum", "max", "min")."""
+    if op not in _OPS:
+        raise ValueError(f"reduction op must be one of {', '.join(_OPS)}; got {op!r}")
+    MPI = _mpi()
+    return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+
+
+def _mpi_types() -> dict[torch.dtype, Any]:
+    MPI = _mpi()
+    return {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int64: MPI.INT64_T,
+            torch.int32: MPI.INT32_T, torch.int16: MPI.INT16_T, torch.int8: MPI.INT8_T,
+            torch.uint8: MPI.UINT8_T}
+
+
+def _direct(t: torch.Tensor) -> bool:
+    return t.is_cpu and t.is_contiguous() and t.dtype in _mpi_types()
+
+
+def _raw(t: torch.Tensor) -> Any:
+    """An MPI buffer over a contiguous host tensor's bytes (mpi4py >= 4: MPI.buffer, 3.x:
+    MPI.memory)."""
+    MPI = _mpi()
+    return (getattr(MPI, "buffer", None) or getattr(MPI, "memory")).fromaddress(t.data_ptr(),
+                                                                               t.nbytes)
+
+
+def _buffer(t: torch.Tensor) -> list[Any]:
+    """``[raw buffer at t's address, MPI datatype]`` for a host tensor ``_direct`` accepts."""
+    return [_raw(t), _mpi_types()[t.dtype]]
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy MPI can reduce: t's dtype where MPI has it, else float64 (float16,
+    bfloat16) or int64 (bool)."""
+    dt = t.dtype if t.dtype in _mpi_types() else (
+        torch.float64 if t.is_floating_point() else torch.int64)
+    return t.detach().to("cpu", dt).contiguous()
+
+
+def _size(comm: Any) -> int:
+    return 1 if comm is None else int(comm.Get_size())
+
+
+def allreduce_(t: torch.Tensor, comm: Any, op: str = "sum",
+               transport: Optional[Any] = None) -> torch.Tensor:
+    """In-place all-reduce of ``t`` over ``comm``; returns ``t`` (no-op when comm is None or has
+    one rank). ``transport``: a device transport with ``allreduce_`` for device tensors."""
+    MPI_op = mpi_op(op)
+    if _size(comm) == 1:
+        return t
+    if not t.is_cpu and transport is not None and hasattr(transport, "allreduce_"):
+        transport.allreduce_(t, op)
+        return t
+    if _direct(t):
+        comm.Allreduce(_mpi().IN_PLACE, _buffer(t.detach()), op=MPI_op)
+        return t
+    host = _host_copy(t)
+    comm.Allreduce(_mpi().IN_PLACE, _buffer(host), op=MPI_op)
+    with torch.no_grad():
+        t.copy_(host)
+    return t
+
+
+class _CopyBack(Request):
+    """A started all-reduce of a staging copy; ``wait`` copies the result into the tensor."""
+
+    def __init__(self, req: Any, host: torch.Tensor, target: torch.Tensor) -> None:
+        self._req, self._host, self._target = req, host, target
+
+    def test(self) -> bool:
+        if self._req is None:
+            return True
+        if not self._req.Test():
+            return False
+        self._finish()
+        return True
+
+    def wait(self) -> None:
+        if self._req is not None:
+            self._req.Wait()
+            self._finish()
+
+    def _finish(self) -> None:
+        self._req = None
+        if self._host is not self._target:
+            with torch.no_grad():
+                self._target.copy_(self._host)
+
+
+def iallreduce_(t: torch.Tensor, comm: Any, op: str = "sum") -> Request:
+    """Start an in-place all-reduce of ``t`` over ``comm`` (``MPI_Iallreduce``); ``t`` must stay
+    untouched until the returned request's ``wait``. Host tensors MPI can type are reduced where
+    they lie; others through a host copy that ``wait`` writes back.
+
+    Non-blocking collectives match by the order they are started on each rank of ``comm``: start
+    them in the same order everywhere, and keep blocking collectives on that communicator from
+    interleaving with them differently on different ranks (give them a ``comm.Dup()``)."""
+    MPI_op = mpi_op(op)
+    if _size(comm) == 1:
+        return CompletedRequest()
+    host = t.detach() if _direct(t) else _host_copy(t)
+    req = comm.Iallreduce(_mpi().IN_PLACE, _buffer(host), op=MPI_op)
+    return _CopyBack(req, host, t.detach())
+
+
+def bcast_(t: torch.Tensor, comm: Any, root: int = 0) -> torch.Tensor:
+    """Broadcast ``t`` in place from ``root`` of ``comm``; any dtype (sent as bytes)."""
+    if _size(comm) == 1:
+        return t
+    byte = _mpi().BYTE
+    if t.is_cpu and t.is_contiguous():
+        comm.Bcast([_raw(t.detach()), byte], root=root)
+        return t
+    host = t.detach().to("cpu").contiguous()
+    comm.Bcast([_raw(host), byte], root=root)
+    with torch.no_grad():
+        t.copy_(host)
+    return t

@@ -1,0 +1,251 @@
+"""Streams and events, the ordering device transports rely on: a CUDA one and a CPU stand-in.
+
+    dev = SimDevice()                       # CPU stand-in: streams are queues run in order
+    comm = dev.new_stream("comm")
+    ev = dev.compute.record()               # a point in the compute stream's work
+    comm.wait_event(ev)                     # comm's later work starts after that point
+    comm.copy_(host_buf, device_buf)        # enqueued, runs when comm gets there
+    comm.record().query()                   # True once comm has run everything before it
+
+A device transport orders its work with these and never blocks the host on the device: ``start``
+records an event on the compute stream and makes the communication stream wait on it; ``wait``
+makes the compute stream wait on the communication stream's event. :class:`CudaDevice` maps this
+onto ``torch.cuda.Stream``/``Event`` (no CuPy). :class:`SimDevice` is the same contract on the CPU
+for tests: each stream is a FIFO of operations that run eagerly as soon as what they wait for has
+run, and a test can ``hold`` a stream (a slow GPU) to check that nothing runs out of order - a
+copy reads its source when it runs, not when it is enqueued, exactly as on a GPU.
+
+:class:`StagingPool` hands out byte buffers and takes them back with an event: a buffer is reused
+only once that event has completed (the copy out of it or into it has run).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["Event", "Stream", "Device", "SimDevice", "SimStream", "SimEvent", "CudaDevice",
+           "StagingPool", "StreamError"]
+
+
+class StreamError(RuntimeError):
+    """Waiting on work that can never run (a held stand-in stream)."""
+
+
+class Event(ABC):
+    """A point in a stream's work."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True once the stream has run everything enqueued before the event (no blocking)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until :meth:`query` is true (only where the host must hand data on)."""
+
+
+class Stream(ABC):
+    """An in-order queue of device work."""
+
+    @abstractmethod
+    def record(self) -> Event:
+        """An event completed once everything enqueued so far on this stream has run."""
+
+    @abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Work enqueued on this stream from now on runs after ``event`` (no host block)."""
+
+    @abstractmethod
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Enqueue ``dst.copy_(src)`` (same number of elements; asynchronous)."""
+
+
+class Device(ABC):
+    """A device's compute stream, new streams and host staging memory."""
+
+    compute: Stream
+
+    @abstractmethod
+    def new_stream(self, name: str) -> Stream:
+        """A stream of its own (e.g. for communication)."""
+
+    @abstractmethod
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer device copies can run from and to asynchronously (pinned)."""
+
+
+# --- CPU stand-in ------------------------------------------------------------------------------
+class SimEvent(Event):
+    def __init__(self, device: "SimDevice", stream: "SimStream") -> None:
+        self._device, self._stream, self.done = device, stream, False
+
+    def query(self) -> bool:
+        self._device.pump()
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.query():
+            raise StreamError(f"synchronize on an event of stream {self._stream.name!r}, which is "
+                              f"held or waits on a held stream: the host would block forever")
+
+
+class SimStream(Stream):
+    """A FIFO of operations; see the module docstring. ``hold()``/``release()`` pause it."""
+
+    def __init__(self, device: "SimDevice", name: str) -> None:
+        self._device, self.name = device, name
+        self._queue: deque[tuple[str, Any]] = deque()
+        self.held = False
+
+    def _enqueue(self, kind: str, item: Any) -> None:
+        self._queue.append((kind, item))
+        self._device.pump()
+
+    def _run_ready(self) -> bool:
+        ran = False
+        while self._queue and not self.held:
+            kind, item = self._queue[0]
+            if kind == "wait" and not item.done:
+                break
+            self._queue.popleft()
+            if kind == "op":
+                item()
+            elif kind == "record":
+                item.done = True
+            ran = True
+        return ran
+
+    def record(self) -> Event:
+        ev = SimEvent(self._device, self)
+        self._enqueue("record", ev)
+        return ev
+
+    def wait_event(self, event: Event) -> None:
+        self._enqueue("wait", event)
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._enqueue("op", lambda: dst.copy_(src.reshape(dst.shape)))
+
+    def launch(self, fn: Callable[[], Any]) -> None:
+        """Enqueue ``fn`` as a kernel of this stream (tests: compute work that makes or reads data)."""
+        self._enqueue("op", fn)
+
+    def hold(self) -> None:
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+        self._device.pump()
+
+
+class SimDevice(Device):
+    """CPU stand-in for a GPU: its "device" tensors are CPU tensors, its streams FIFOs."""
+
+    def __init__(self) -> None:
+        self.streams: list[SimStream] = []
+        self.compute: SimStream = self.new_stream("compute")
+
+    def new_stream(self, name: str) -> SimStream:
+        s = SimStream(self, name)
+        self.streams.append(s)
+        return s
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def pump(self) -> None:
+        """Run every operation whose turn has come, across streams, until none can run."""
+        while any([s._run_ready() for s in self.streams]):
+            pass
+
+
+# --- CUDA (torch.cuda; not run in the CPU suite) -----------------------------------------------
+class _CudaEvent(Event):
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def query(self) -> bool:
+        return bool(self.event.query())
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+class _CudaStream(Stream):
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def record(self) -> Event:
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return _CudaEvent(ev)
+
+    def wait_event(self, event: Event) -> None:
+        self.stream.wait_event(event.event)  # type: ignore[attr-defined]
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src.reshape(dst.shape), non_blocking=True)
+        for t in (dst, src):  # the caching allocator must not hand t out before the copy ran
+            if t.is_cuda:
+                t.record_stream(self.stream)
+
+
+class CudaDevice(Device):
+    """Streams of one CUDA device through torch. UNVERIFIED: no GPU in the session that wrote it;
+    the same logic runs in the CPU suite on :class:`SimDevice`."""
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.device = torch.device(device or "cuda")
+        self.compute = _CudaStream(torch.cuda.current_stream(self.device))
+
+    def new_stream(self, name: str) -> Stream:
+        return _CudaStream(torch.cuda.Stream(self.device))
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+# --- staging buffers ---------------------------------------------------------------------------
+class StagingPool:
+    """Host byte buffers, reused only after the event they were released with has completed.
+
+        buf = pool.acquire(nbytes)        # uint8 [>= nbytes]
+        stream.copy_(buf[:nbytes].view(dtype)..., device_tensor)
+        pool.release(buf, stream.record())
+    """
+
+    def __init__(self, device: Device) -> None:
+        self._device = device
+        self._free: list[torch.Tensor] = []
+        self._pending: list[tuple[torch.Tensor, Event]] = []
+        self.allocated = 0  # buffers made so far (tests, and a leak shows as growth)
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` no pending copy uses (power-of-two sizes, >= 256)."""
+        still = []
+        for buf, ev in self._pending:
+            if ev.query():
+                self._free.append(buf)
+            else:
+                still.append((buf, ev))
+        self._pending = still
+        fits = [b for b in self._free if b.numel() >= nbytes]
+        if fits:
+            best = min(fits, key=lambda b: b.numel())
+            self._free = [b for b in self._free if b is not best]
+            return best
+        self.allocated += 1
+        return self._device.host_buffer(max(256, 1 << max(0, nbytes - 1).bit_length()))
+
+    def release(self, buf: torch.Tensor, event: Event) -> None:
+        """Give ``buf`` back; it is handed out again once ``event`` has completed."""
+        self._pending.append((buf, event))
+
+    @property
+    def pending(self) -> int:
+        """Buffers released whose event has not completed yet (not counting a query now)."""
+        return len(self._pending)

@@ -1,0 +1,56 @@
+"""``--transport`` in the trainer: resolve it on this rank's device, the same way on every rank.
+
+    name = trainer_transport(cfg, device, comm)   # "mpi" on CPU; ConfigError for nccl without CUDA
+
+On CPU only ``mpi`` exists (``auto`` -> ``mpi``); a device transport asked for on a CPU run is a
+ConfigError on every rank (``agree``). On CUDA ``auto`` resolves to ``staged`` for now: gradient
+buckets then move device -> host -> MPI -> host -> device, the path whose logic the CPU suite
+tests; ``nccl`` and ``ipc`` must be asked for by name (halo.transport.device, not yet run on a GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from halo.transport.base import TransportError
+from halo.transport.select import choose_transport
+from sparsepipe_hpc.train.config import ConfigError
+
+__all__ = ["trainer_transport"]
+
+
+def _nccl_imports() -> bool:
+    import importlib
+
+    try:  # imported on use only, never at module import
+        importlib.import_module("cupy.cuda.nccl")
+    except Exception:
+        return False
+    return True
+
+
+def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
+    """The transport name for ``cfg.transport`` on ``device``. **Collective** over ``comm``: a
+    ConfigError on any rank is raised on every rank."""
+    from sparsepipe_hpc.train.agreement import SetupError, agree
+
+    def pick() -> str:
+        try:
+            if device.type != "cuda":
+                return choose_transport(cfg.transport, "cpu")
+            if cfg.transport == "auto":
+                return "staged"
+            from launch.env import detect
+
+            shared = detect(comm).local_size > max(1, torch.cuda.device_count())
+            return choose_transport(cfg.transport, "cuda", nccl=_nccl_imports(),
+                                    shared_gpu=shared)
+        except TransportError as e:
+            raise ConfigError(str(e)) from None
+
+    try:
+        return str(agree(comm, pick))
+    except SetupError as e:  # the same ConfigError on every rank, whichever rank found it
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,50 @@
+"""--transport in the trainer under real mpirun: auto is mpi on the CPU and the start-up line
+names it; a device transport on a CPU run is the same ConfigError on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from sparsepipe_hpc.train.config import ConfigError, parse_config
+from sparsepipe_hpc.train.loop import Trainer
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    comm = MPI.COMM_WORLD
+    root = None
+    if comm.rank == 0:
+        from sparsepipe_hpc.data.synth import generate_scenes
+
+        root = tmp_path_factory.mktemp("shared")
+        generate_scenes(root, train=4, val=2, seed=1, objects=(2, 3), points=(800, 1200))
+    return Path(comm.bcast(str(root) if root else None, root=0))
+
+
+def argv(shared: Path, *extra: str) -> list[str]:
+    return ["--task", "seg", "--data", str(shared / "scenes"), "--out", str(shared / "run"),
+            "--width", "4", "--depth", "2", "--steps", "1", "--voxel-size", "0.25",
+            "--batch-size", "4", "--no-progress", *extra]
+
+
+def test_auto_is_mpi_on_cpu_and_is_printed(comm, shared):
+    said: list[str] = []
+    t = Trainer(parse_config(argv(shared)), comm, log=said.append)
+    assert t.transport == "mpi"
+    t.run()
+    if comm.rank == 0:
+        assert any("transport mpi" in s for s in said), said
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("name", ["nccl", "ipc", "staged"])
+def test_device_transport_without_cuda_is_a_config_error_on_every_rank(comm, shared, name):
+    with pytest.raises(ConfigError, match=f"--transport {name} moves CUDA device tensors"):
+        parse_config(argv(shared, "--transport", name, "--device", "cpu"))
+    cfg = parse_config(argv(shared, "--transport", name))  # --device auto: known at start-up
+    with pytest.raises(ConfigError, match=f"--transport {name} moves CUDA device tensors"):
+        Trainer(cfg, comm, log=None)

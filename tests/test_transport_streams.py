@@ -1,0 +1,92 @@
+"""The stream/event stand-in and the staging pool (halo.transport.streams), without MPI or a GPU:
+work runs in stream order, waits hold later work back, buffers are reused only after their event."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from halo.transport.select import choose_transport
+from halo.transport.base import TransportError
+from halo.transport.streams import SimDevice, StagingPool, StreamError
+
+
+def test_copy_reads_its_source_when_it_runs_not_when_enqueued():
+    dev = SimDevice()
+    comm = dev.new_stream("comm")
+    src, dst = torch.zeros(3), torch.full((3,), -1.0)
+    dev.compute.hold()  # a busy GPU: the producer has not run yet
+    dev.compute.launch(lambda: src.fill_(7.0))
+    comm.wait_event(dev.compute.record())
+    comm.copy_(dst, src)
+    assert dst.tolist() == [-1.0] * 3  # the copy waits for the producer's event
+    dev.compute.release()
+    assert dst.tolist() == [7.0] * 3
+
+
+def test_without_the_wait_the_copy_races_ahead():
+    """The failure the transports' wait_event prevents: shows the stand-in can catch it."""
+    dev = SimDevice()
+    comm = dev.new_stream("comm")
+    src, dst = torch.zeros(3), torch.full((3,), -1.0)
+    dev.compute.hold()
+    dev.compute.launch(lambda: src.fill_(7.0))
+    comm.copy_(dst, src)  # no wait_event: runs at once, reads the stale source
+    dev.compute.release()
+    assert dst.tolist() == [0.0] * 3
+
+
+def test_event_query_and_synchronize_on_a_held_stream():
+    dev = SimDevice()
+    dev.compute.hold()
+    ev = dev.compute.record()
+    assert not ev.query()
+    with pytest.raises(StreamError, match="held"):
+        ev.synchronize()
+    dev.compute.release()
+    assert ev.query()
+    ev.synchronize()
+
+
+def test_pool_reuses_a_buffer_only_after_its_event():
+    dev = SimDevice()
+    comm = dev.new_stream("comm")
+    pool = StagingPool(dev)
+    a = pool.acquire(100)
+    assert a.numel() >= 100 and pool.allocated == 1
+    comm.hold()
+    pool.release(a, comm.record())
+    b = pool.acquire(100)  # a's copy has not run: a fresh buffer
+    assert b.data_ptr() != a.data_ptr() and pool.allocated == 2
+    comm.release()
+    c = pool.acquire(50)  # now a (or b's size class) is free again: no new allocation
+    assert c.data_ptr() == a.data_ptr() and pool.allocated == 2
+
+
+def test_choose_transport():
+    assert choose_transport("auto", "cpu") == "mpi"
+    assert choose_transport("mpi", "cpu") == "mpi"
+    assert choose_transport("auto", "cuda", nccl=True) == "nccl"
+    assert choose_transport("auto", "cuda", nccl=True, shared_gpu=True) == "ipc"
+    assert choose_transport("auto", "cuda") == "staged"
+    assert choose_transport("nccl", None) == "nccl"  # device not known yet
+    for name in ("nccl", "ipc", "staged"):
+        with pytest.raises(TransportError, match=f"--transport {name} moves CUDA device tensors"):
+            choose_transport(name, "cpu")
+    with pytest.raises(TransportError, match="Duplicate GPU"):
+        choose_transport("nccl", "cuda", nccl=True, shared_gpu=True)
+    with pytest.raises(TransportError, match="must be one of auto, nccl, ipc, staged, mpi"):
+        choose_transport("gloo", "cpu")
+
+
+def test_importing_the_packages_does_not_import_cupy():
+    code = ("import sys, sparsepipe_hpc, halo, halo.transport, halo.transport.streams, "
+            "halo.transport.staged, halo.transport.collectives, sparsepipe_hpc.train.loop, "
+            "sparsepipe_hpc.parallel.gradients; "
+            "import halo.transport.nccl, halo.transport.ipc; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cupy'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
