@@ -28,7 +28,8 @@ def shared(tmp_path_factory) -> Path:
 def argv(shared: Path, *extra: str) -> list[str]:
     return ["--task", "seg", "--data", str(shared / "scenes"), "--out", str(shared / "run"),
             "--width", "4", "--depth", "2", "--steps", "1", "--voxel-size", "0.25",
-            "--batch-size", "4", "--no-progress", *extra]
+            # one sample per rank: the global batch must split evenly at every world size
+            "--batch-size", str(MPI.COMM_WORLD.size), "--no-progress", *extra]
 
 
 def test_auto_is_mpi_on_cpu_and_is_printed(comm, shared):
