@@ -186,7 +186,9 @@ def augment_points(points: torch.Tensor, origin: Sequence[float], spatial_shape:
 #: Rows per jitter block. Block ``k`` (rows ``[k * NOISE_BLOCK, (k + 1) * NOISE_BLOCK)`` of a
 #: sample, the last one shorter) is drawn whole from its own generator (:func:`jitter_block`), so
 #: the jitter of any row range costs the blocks meeting it, not every row before it. Part of the
-#: stream's definition: another value gives other (equally valid) jitter.
+#: stream's definition: another value gives other (equally valid) jitter. (Earlier versions drew
+#: the jitter as one stream over the whole sample: a checkpoint of theirs resumes with the same
+#: data order, flips and swaps but other jitter; a resume within this version stays bitwise.)
 NOISE_BLOCK = 1 << 16
 
 
