@@ -40,9 +40,9 @@ from sparsepipe_hpc.data.sharding import ShardedBatches
 from sparsepipe_hpc.sparse import MAX_EXTENT, SparseTensor
 from sparsepipe_hpc.voxelize import voxelize
 
-__all__ = ["Batch", "GridSizeError", "JITTER", "augment_margin", "collate", "grid_for",
-           "augment_points", "augment_points_range", "RangeAugmenter", "Sample", "SceneDataset", "ModelNetDataset",
-           "ShardedBatches"]
+__all__ = ["Batch", "GridSizeError", "JITTER", "NOISE_BLOCK", "augment_margin", "collate",
+           "grid_for", "augment_points", "augment_points_range", "jitter_block", "jitter_key",
+           "RangeAugmenter", "Sample", "SceneDataset", "ModelNetDataset", "ShardedBatches"]
 
 #: Default standard deviation (metres) of the per-point jitter of :func:`augment_points`.
 JITTER = 0.005
@@ -174,39 +174,54 @@ def augment_points(points: torch.Tensor, origin: Sequence[float], spatial_shape:
 
     Flips x and y about the grid's centre (each with probability 1/2) and, when the grid is square
     in x-y, swaps x and y (together: the 8 rotations by 90 degrees and reflections), so points stay
-    inside the grid; then adds Gaussian noise of ``jitter`` metres (clamped to 3 sigma) per point.
-    Draws from ``generator`` in a fixed order, so the same generator state gives the same result.
+    inside the grid; then adds Gaussian noise of ``jitter`` metres (clamped to 3 sigma) per point,
+    drawn in blocks of :data:`NOISE_BLOCK` rows (:func:`jitter_block`). Draws from ``generator``
+    in a fixed order (3 coins, then the jitter key when ``jitter > 0``), so the same generator
+    state gives the same result; :class:`RangeAugmenter` gives any rows of it alone.
     """
-    centre = torch.tensor([o + s * voxel_size / 2 for o, s in zip(origin, spatial_shape)],
-                          dtype=torch.float64)
-    coin = torch.rand(3, generator=generator, dtype=torch.float64)
-    p = points - centre
-    if coin[0] < 0.5:
-        p[:, 0] = -p[:, 0]
-    if coin[1] < 0.5:
-        p[:, 1] = -p[:, 1]
-    if coin[2] < 0.5 and spatial_shape[0] == spatial_shape[1]:
-        p = p[:, [1, 0, 2]]
-    if jitter > 0:
-        noise = torch.randn(p.shape, generator=generator, dtype=torch.float64) * jitter
-        p = p + noise.clamp_(-3 * jitter, 3 * jitter)
-    return p + centre
+    return RangeAugmenter(len(points), origin, spatial_shape, voxel_size, generator,
+                          jitter)(points, 0)
 
 
-#: Rows per draw when :func:`augment_points_range` streams the jitter (a multiple of 16: torch's
-#: CPU normal sampler works in blocks of 16, which makes a chunked draw equal one whole draw).
-NOISE_CHUNK = 1 << 16
+#: Rows per jitter block. Block ``k`` (rows ``[k * NOISE_BLOCK, (k + 1) * NOISE_BLOCK)`` of a
+#: sample, the last one shorter) is drawn whole from its own generator (:func:`jitter_block`), so
+#: the jitter of any row range costs the blocks meeting it, not every row before it. Part of the
+#: stream's definition: another value gives other (equally valid) jitter. (Earlier versions drew
+#: the jitter as one stream over the whole sample: a checkpoint of theirs resumes with the same
+#: data order, flips and swaps but other jitter; a resume within this version stays bitwise.)
+NOISE_BLOCK = 1 << 16
+
+
+def jitter_key(generator: Optional[torch.Generator]) -> int:
+    """A sample's jitter key: one 63-bit draw from its generator (after the coins), from which
+    every block's seed derives; so the jitter, like the coins, is fixed by the generator's state
+    (``ShardedBatches.sample_generators``: by (seed, epoch, sample index))."""
+    return int(torch.randint(0, 2**63 - 1, (1,), generator=generator, dtype=torch.int64))
+
+
+def jitter_block(key: int, block: int, rows: int) -> torch.Tensor:
+    """float64 [rows, 3]: the standard-normal jitter of block ``block`` of the sample whose
+    :func:`jitter_key` is ``key`` (row-major: a point's x, y, z noise are consecutive draws).
+
+    The block's generator is seeded by a hash of (key, block) (numpy's SeedSequence, as the
+    sample generators are), so blocks are independent and any one is drawn without the others.
+    """
+    seed = int(np.random.SeedSequence([key, block]).generate_state(1, np.uint64)[0])
+    return torch.randn((rows, 3), generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64)
 
 
 class RangeAugmenter:
-    """:func:`augment_points` applied to consecutive row ranges of one sample, bit for bit.
+    """:func:`augment_points` applied to row ranges of one sample, bit for bit.
 
         aug = RangeAugmenter(total, origin, shape, voxel_size, generator)
-        part = aug(points[a:b], a)      # then aug(points[b:c], b), ...: starts may skip rows
-                                        # forward, never go back
+        part = aug(points[a:b], a)      # rows [a, b) of augment_points(all_points, ...)
+        aug.blocks_drawn                # jitter blocks drawn so far
 
-    Draws the coins once, then streams the jitter in chunks of :data:`NOISE_CHUNK` rows (memory:
-    one chunk; time: every row up to the last one asked for, as one whole draw would).
+    Draws the coins and the jitter key once; a range ``[a, b)`` then draws only the jitter blocks
+    (:data:`NOISE_BLOCK` rows each) meeting it: work and memory O(b - a + NOISE_BLOCK), wherever
+    the range lies in the sample. Ranges may come in any order; the last block drawn is kept, so
+    consecutive ranges draw a block they share once.
     """
 
     def __init__(self, total: int, origin: Sequence[float], spatial_shape: Sequence[int],
@@ -214,30 +229,24 @@ class RangeAugmenter:
                  jitter: float = JITTER) -> None:
         self.total = int(total)
         self.spatial_shape = tuple(spatial_shape)
-        self.generator = generator
         self.jitter = jitter
         self.centre = torch.tensor([o + s * voxel_size / 2 for o, s in zip(origin, spatial_shape)],
                                    dtype=torch.float64)
         self.coin = torch.rand(3, generator=generator, dtype=torch.float64)
-        self._pos = 0       # rows drawn so far
-        self._chunk: Optional[torch.Tensor] = None  # the last chunk drawn, rows [pos - n, pos)
+        self.key = jitter_key(generator) if jitter > 0 else 0
+        self.block = NOISE_BLOCK  # read once: the block size defines the stream
+        self.blocks_drawn = 0
+        self._last: Optional[tuple[int, torch.Tensor]] = None  # (block, its noise) drawn last
 
-    def _noise(self, start: int, stop: int) -> torch.Tensor:
-        out = torch.empty((stop - start, 3), dtype=torch.float64)
-        if self._chunk is not None:  # rows of the chunk drawn last
-            lo = self._pos - len(self._chunk)
-            a, b = max(lo, start), min(self._pos, stop)
-            if a < b:
-                out[a - start:b - start] = self._chunk[a - lo:b - lo]
-        while self._pos < stop:
-            left = self.total - self._pos
-            n = left if left < 2 * NOISE_CHUNK else NOISE_CHUNK
-            self._chunk = torch.randn((n, 3), generator=self.generator, dtype=torch.float64)
-            a, b = max(self._pos, start), min(self._pos + n, stop)
-            if a < b:
-                out[a - start:b - start] = self._chunk[a - self._pos:b - self._pos]
-            self._pos += n
-        return out
+    def _noise_block(self, k: int) -> torch.Tensor:
+        """Block ``k``'s jitter in metres, clamped to 3 sigma: float64 [rows of block k, 3]."""
+        if self._last is None or self._last[0] != k:
+            rows = min(self.block, self.total - k * self.block)
+            noise = jitter_block(self.key, k, rows)
+            noise.mul_(self.jitter).clamp_(-3 * self.jitter, 3 * self.jitter)
+            self._last = (k, noise)
+            self.blocks_drawn += 1
+        return self._last[1]
 
     def box(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where boxes ``[lo, hi]`` (float64 [K, 3], metres) of the sample go: (lo', hi') holding
@@ -260,9 +269,6 @@ class RangeAugmenter:
         if not 0 <= start <= stop <= self.total:
             raise ValueError(f"augment_points_range: rows [{start}, {stop}) are not inside a "
                              f"sample of {self.total} points")
-        if self._chunk is not None and start < self._pos - len(self._chunk):
-            raise ValueError(f"RangeAugmenter: rows from {start} were asked after rows up to "
-                             f"{self._pos}; ranges must come in increasing order")
         p = points - self.centre
         if self.coin[0] < 0.5:
             p[:, 0] = -p[:, 0]
@@ -270,11 +276,12 @@ class RangeAugmenter:
             p[:, 1] = -p[:, 1]
         if self.coin[2] < 0.5 and self.spatial_shape[0] == self.spatial_shape[1]:
             p = p[:, [1, 0, 2]]
-        if self.jitter > 0:
-            noise = self._noise(start, stop)
-            noise.mul_(self.jitter).clamp_(-3 * self.jitter, 3 * self.jitter)
-            p += noise
-            del noise
+        if self.jitter > 0 and stop > start:
+            n = self.block
+            for k in range(start // n, (stop - 1) // n + 1):  # the blocks meeting [start, stop)
+                lo = k * n
+                a, b = max(lo, start), min(lo + n, stop)
+                p[a - start:b - start] += self._noise_block(k)[a - lo:b - lo]
         p += self.centre
         return p
 
@@ -285,8 +292,9 @@ def augment_points_range(points: torch.Tensor, start: int, total: int, origin: S
                          ) -> torch.Tensor:
     """Rows ``[start, start + len(points))`` of ``augment_points(all_points, ...)`` for a sample of
     ``total`` points, given only those rows ``points [p, 3]`` float64 (m): the same flips, swap
-    and per-point jitter, bit for bit, from a generator in the same state. For a spatial rank
-    that read a hyperslab of the sample (:class:`RangeAugmenter` for several ranges)."""
+    and per-point jitter, bit for bit, from a generator in the same state, drawing only the
+    jitter blocks meeting the range. For a spatial rank that read a hyperslab of the sample
+    (:class:`RangeAugmenter` for several ranges)."""
     return RangeAugmenter(total, origin, spatial_shape, voxel_size, generator, jitter)(points,
                                                                                          start)
 

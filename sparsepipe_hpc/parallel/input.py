@@ -25,7 +25,9 @@ Who reads what depends on the file:
   barely move. A rank reads about ``P / n`` plus the chunks straddling its box's faces.
 
 Either way, augmentation is :class:`~sparsepipe_hpc.data.loader.RangeAugmenter`, equal row for
-row to the single-process :func:`~sparsepipe_hpc.data.loader.collate`'s, and the result equals
+row to the single-process :func:`~sparsepipe_hpc.data.loader.collate`'s; it draws only the jitter
+blocks (:data:`~sparsepipe_hpc.data.loader.NOISE_BLOCK` rows) meeting the rows a rank reads, so a
+rank's input work is O(its rows), not O(rows up to its last one). The result equals
 ``ctx.distribute(collate(...).x, labels, cuts=b.x.context.spatial.cuts)`` exactly (coords, mean
 features, label votes, point->voxel maps). Without spatial parallelism the rank reads whole
 samples.

@@ -106,9 +106,9 @@ def test_chunked_read_equals_single_process(comm, scenes, dims, mode, monkeypatc
     from sparsepipe_hpc.parallel.input import read_distributed
 
     need(comm, dims)
-    if mode == "uniform":  # several pieces per rank and sample, noise drawn in small chunks
+    if mode == "uniform":  # several pieces per rank and sample, jitter in small blocks
         monkeypatch.setattr(inp, "READ_CHUNK", 300)
-        monkeypatch.setattr("sparsepipe_hpc.data.loader.NOISE_CHUNK", 64)
+        monkeypatch.setattr("sparsepipe_hpc.data.loader.NOISE_BLOCK", 64)
     ctx = layout_ctx(comm, dims, mode)
     origin, shape = grid_for(scenes, VOXEL, multiple=2)
     batches = ShardedBatches(len(scenes), batch_size=2, replicas=1, rank=0, seed=5)
@@ -246,3 +246,48 @@ def test_bad_or_missing_table_is_refused_on_every_rank(comm, rng, tmp_path_facto
     path, _, _ = damaged(comm, rng, tmp_path_factory, fault)
     with pytest.raises(DataFormatError, match=rule):
         SceneDataset(path, check="structure")
+
+
+@pytest.mark.parametrize("dims", ALL_GRIDS)
+def test_ranks_draw_only_the_jitter_blocks_of_the_chunks_they_read(comm, scenes, dims,
+                                                                    monkeypatch):
+    # Rows sorted by chunk: a rank reads runs of rows far into the sample; it must draw only the
+    # jitter blocks meeting the rows it reads, each once (not every row up to its last one).
+    import sparsepipe_hpc.data.loader as loader
+    import sparsepipe_hpc.parallel.input as inp
+    from sparsepipe_hpc.data.loader import RangeAugmenter, collate, grid_for
+    from sparsepipe_hpc.data.sharding import ShardedBatches
+    from sparsepipe_hpc.parallel.input import read_distributed
+
+    need(comm, dims)
+    monkeypatch.setattr(loader, "NOISE_BLOCK", 64)
+    monkeypatch.setattr(inp, "READ_CHUNK", 100)
+    ctx = layout_ctx(comm, dims, "balanced")
+    origin, shape = grid_for(scenes, VOXEL, multiple=2)
+    batches = ShardedBatches(len(scenes), batch_size=2, replicas=1, rank=0, seed=5)
+    idx = [2, 0]
+    sizes = [int(scenes.sizes[i]) for i in idx]
+    keys = {i: RangeAugmenter(1, origin, shape, VOXEL, g).key
+            for i, g in zip(idx, batches.sample_generators(idx, 1))}
+    drawn, reads = [], []
+    block, read = loader.jitter_block, scenes.read_range
+
+    def counting_block(key, k, rows):
+        drawn.append((key, k))
+        return block(key, k, rows)
+
+    def counting_read(i, a, z):
+        reads.append((i, a, z))
+        return read(i, a, z)
+
+    monkeypatch.setattr(loader, "jitter_block", counting_block)
+    monkeypatch.setattr(scenes, "read_range", counting_read)
+    got = read_distributed(ctx, scenes, idx, VOXEL, origin, shape,
+                           generators=batches.sample_generators(idx, 1), align=2)
+    assert sum(z - a for _, a, z in reads) == got.points_read
+    meeting = {(keys[i], k) for i, a, z in reads if z > a
+               for k in range(a // 64, (z - 1) // 64 + 1)}
+    assert len(drawn) == len(set(drawn)) and set(drawn) == meeting
+    full = collate([scenes[i] for i in idx], VOXEL, origin, shape, augment=True,
+                   generator=batches.sample_generators(idx, 1))
+    check_batch(comm, ctx, got, full, sizes, 2)

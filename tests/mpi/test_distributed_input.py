@@ -250,9 +250,9 @@ def test_read_distributed_equals_distribute(comm, scenes, dims, mode, monkeypatc
     from sparsepipe_hpc.parallel.input import read_distributed
 
     need(comm, dims)
-    if mode == "uniform":  # several chunks per rank and sample, chunks of noise across them
+    if mode == "uniform":  # several chunks per rank and sample, blocks of jitter across them
         monkeypatch.setattr(inp, "READ_CHUNK", 300)
-        monkeypatch.setattr("sparsepipe_hpc.data.loader.NOISE_CHUNK", 64)
+        monkeypatch.setattr("sparsepipe_hpc.data.loader.NOISE_BLOCK", 64)
     ctx = layout_ctx(comm, dims, mode)
     origin, shape = grid_for(scenes, 0.1, multiple=4)
     batches = ShardedBatches(len(scenes), batch_size=2, replicas=1, rank=0, seed=5)
@@ -355,4 +355,67 @@ def test_ranks_that_read_no_points(comm, rng, tmp_path_factory):
     want_x, want_y = ctx.distribute(full.x, full.labels, align=4)
     got = read_distributed(ctx, ds, [0], 0.1, origin, shape, align=4)
     assert torch.equal(got.x.coords, want_x.coords) and torch.equal(got.x.feats, want_x.feats)
+    assert torch.equal(got.labels, want_y)
+
+
+def spy_jitter_and_reads(monkeypatch, dataset):
+    """Record every jitter block drawn, as (key, block), and every range read, as (i, a, z)."""
+    import sparsepipe_hpc.data.loader as loader
+
+    drawn, reads = [], []
+    block, read = loader.jitter_block, dataset.read_range
+
+    def counting_block(key, k, rows):
+        drawn.append((key, k))
+        return block(key, k, rows)
+
+    def counting_read(i, a, z):
+        reads.append((i, a, z))
+        return read(i, a, z)
+
+    monkeypatch.setattr(loader, "jitter_block", counting_block)
+    monkeypatch.setattr(dataset, "read_range", counting_read)
+    return drawn, reads
+
+
+def blocks_meeting(reads, keys, block):
+    """{(key, k)}: the jitter blocks meeting the ranges read."""
+    return {(keys[i], k) for i, a, z in reads if z > a for k in range(a // block, (z - 1) // block + 1)}
+
+
+@pytest.mark.parametrize("read_chunk", [100, 1 << 16])
+def test_ranks_draw_only_the_jitter_blocks_of_their_rows(comm, scenes, monkeypatch, read_chunk):
+    # A rank reading rows [a, b) of a sample draws the jitter blocks meeting [a, b), each once,
+    # not every row before b (the last rank of 4 reads rows 2250..3001 of a 3001-point sample).
+    import sparsepipe_hpc.data.loader as loader
+    import sparsepipe_hpc.parallel.input as inp
+    from sparsepipe_hpc.data.loader import RangeAugmenter, collate, grid_for
+    from sparsepipe_hpc.data.sharding import ShardedBatches
+    from sparsepipe_hpc.parallel.input import point_range, read_distributed
+
+    monkeypatch.setattr(loader, "NOISE_BLOCK", 64)
+    monkeypatch.setattr(inp, "READ_CHUNK", read_chunk)  # 100: ranges end mid-block
+    ctx = layout_ctx(comm, (comm.size, 1, 1), "balanced")
+    origin, shape = grid_for(scenes, 0.1, multiple=4)
+    batches = ShardedBatches(len(scenes), batch_size=2, replicas=1, rank=0, seed=5)
+    idx = [2, 0]
+    keys = {i: RangeAugmenter(1, origin, shape, 0.1, g).key
+            for i, g in zip(idx, batches.sample_generators(idx, 1))}
+    drawn, reads = spy_jitter_and_reads(monkeypatch, scenes)
+    got = read_distributed(ctx, scenes, idx, 0.1, origin, shape,
+                           generators=batches.sample_generators(idx, 1), align=4)
+    for i in idx:  # this rank read exactly its range of each sample
+        mine = sorted((a, z) for j, a, z in reads if j == i)
+        start, stop = point_range(int(scenes.sizes[i]), comm.rank, comm.size)
+        assert mine[0][0] == start and mine[-1][1] == stop
+        assert all(z == a2 for (_, z), (a2, _) in zip(mine[:-1], mine[1:]))
+    assert len(drawn) == len(set(drawn))  # a block shared by two reads is drawn once
+    assert set(drawn) == blocks_meeting(reads, keys, 64)
+    # and the result is still the single-process one, cut by the same cuts
+    full = collate([scenes[i] for i in idx], 0.1, origin, shape, augment=True,
+                   generator=batches.sample_generators(idx, 1))
+    cuts = got.x.context.spatial.cuts if ctx.group is not None else None
+    want_x, want_y = ctx.distribute(full.x, full.labels, align=4, cuts=cuts)
+    assert torch.equal(got.x.coords, want_x.coords)
+    assert torch.equal(got.x.feats, want_x.feats)
     assert torch.equal(got.labels, want_y)
