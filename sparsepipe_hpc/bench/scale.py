@@ -197,8 +197,8 @@ def main(argv: list[str]) -> None:
                         "whole sample's memory on every rank)")
     p.add_argument("--step", action="store_true", help="also time a U-Net forward+backward")
     p.add_argument("--no-augment", dest="augment", action="store_false",
-                   help="no flips or jitter (the jitter is drawn for every row up to the last "
-                        "one a rank reads, a cost that does not fall with the ranks)")
+                   help="no flips or jitter (each rank draws the jitter of only the "
+                        "65536-row blocks it reads)")
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--worker", help=argparse.SUPPRESS)
