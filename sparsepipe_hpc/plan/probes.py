@@ -19,7 +19,7 @@ import torch
 
 from sparsepipe_hpc.sparse import SparseTensor
 
-__all__ = ["synthetic_batch", "halo_probe", "kmap_probe", "ProbeError", "clock"]
+__all__ = ["synthetic_batch", "visit_halo_convs", "halo_probe", "kmap_probe", "ProbeError", "clock"]
 
 
 class ProbeError(ValueError):
@@ -99,24 +99,19 @@ def kmap_probe(blocks: Sequence[Any], x: SparseTensor, repeats: int
             for key, (c, u, t) in found.items()}
 
 
-def halo_probe(blocks: Sequence[Any], x: SparseTensor) -> tuple[list[list[float]], list[int]]:
-    """Per block: the halo coefficients of the module docstring, and the exchange count."""
+def visit_halo_convs(blocks: Sequence[Any], x: SparseTensor,
+                     visit: Callable[[int, Any, SparseTensor], None]) -> None:
+    """Run ``x`` through ``blocks`` once (no grad, fresh kernel maps) and call
+    ``visit(block index, layer, layer input)`` before every submanifold layer that needs a halo
+    (padding > 0)."""
     from sparsepipe_hpc.nn.conv import SubMConv3d
 
-    coef = [[0.0, 0.0, 0.0] for _ in blocks]
-    count = [0] * len(blocks)
-    base = [x.num_voxels / max(1, e) for e in x.spatial_shape]
     handles = []
     for k, blk in enumerate(blocks):
         for mod in blk.modules():
             if isinstance(mod, SubMConv3d) and mod.spec.padding > 0:
                 def hook(m: Any, args: tuple[Any, ...], k: int = k) -> None:
-                    t = args[0]
-                    count[k] += 1
-                    for a in range(3):
-                        per_layer = t.num_voxels / max(1, t.spatial_shape[a])
-                        coef[k][a] += (m.spec.padding * t.num_channels * t.feats.element_size()
-                                       * per_layer / max(base[a], 1e-30))
+                    visit(k, m, args[0])
                 handles.append(mod.register_forward_pre_hook(hook))
     try:
         with torch.no_grad():
@@ -126,4 +121,20 @@ def halo_probe(blocks: Sequence[Any], x: SparseTensor) -> tuple[list[list[float]
     finally:
         for h in handles:
             h.remove()
+
+
+def halo_probe(blocks: Sequence[Any], x: SparseTensor) -> tuple[list[list[float]], list[int]]:
+    """Per block: the halo coefficients of the module docstring, and the exchange count."""
+    coef = [[0.0, 0.0, 0.0] for _ in blocks]
+    count = [0] * len(blocks)
+    base = [x.num_voxels / max(1, e) for e in x.spatial_shape]
+
+    def visit(k: int, m: Any, t: SparseTensor) -> None:
+        count[k] += 1
+        for a in range(3):
+            per_layer = t.num_voxels / max(1, t.spatial_shape[a])
+            coef[k][a] += (m.spec.padding * t.num_channels * t.feats.element_size()
+                           * per_layer / max(base[a], 1e-30))
+
+    visit_halo_convs(blocks, x, visit)
     return coef, count

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from sparsepipe_hpc.plan.cost import surface_voxels
-from sparsepipe_hpc.plan.probes import clock
+from sparsepipe_hpc.plan.probes import clock, visit_halo_convs
 from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["SplitFit", "SplitRow", "split_probe", "fit_split", "box_imbalance", "busiest_box",
@@ -122,26 +122,12 @@ def split_probe(blocks: Sequence[Any], x: SparseTensor, grids: Sequence[Sequence
     from halo.kmap import kernel_map
     from halo.plan import halo_boxes, halo_radius, select_sends
     from sparsepipe_hpc.engine import get_engine
-    from sparsepipe_hpc.nn.conv import SubMConv3d
 
     now = clock(x.feats.device)
     engine = get_engine("auto", x.feats.device)
     convs: dict[str, list[tuple[int, Any, SparseTensor]]] = {}
-    handles = []
-    for k, blk in enumerate(blocks):
-        for mod in blk.modules():
-            if isinstance(mod, SubMConv3d) and mod.spec.padding > 0:
-                def hook(m: Any, args: tuple[Any, ...], k: int = k) -> None:
-                    convs.setdefault(m.cache_key(args[0]), []).append((k, m, args[0]))
-                handles.append(mod.register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            carry: list[Any] = [x.replace(kmaps={})]
-            for blk in blocks:
-                carry = blk(carry)
-    finally:
-        for h in handles:
-            h.remove()
+    visit_halo_convs(blocks, x, lambda k, m, t: convs.setdefault(m.cache_key(t), [])
+                     .append((k, m, t)))
     extent = tuple(x.spatial_shape)
     rows = []
     for grid in grids:
