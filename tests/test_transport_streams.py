@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from halo.transport.select import choose_transport
+from halo.transport.select import choose_transport, make_transport
 from halo.transport.base import TransportError
 from halo.transport.streams import SimDevice, StagingPool, StreamError
 
@@ -80,6 +80,27 @@ def test_choose_transport():
         choose_transport("nccl", "cuda", nccl=True, shared_gpu=True)
     with pytest.raises(TransportError, match="must be one of auto, nccl, ipc, staged, mpi"):
         choose_transport("gloo", "cpu")
+
+
+def test_make_transport_builds_the_resolved_name():
+    from mpi4py import MPI
+
+    from halo.transport.mpi import MPITransport
+    from halo.transport.staged import StagedTransport
+
+    comm = MPI.COMM_SELF
+    assert isinstance(make_transport("mpi", comm), MPITransport)
+    dev = SimDevice()
+    staged = make_transport("staged", comm, dev)
+    assert isinstance(staged, StagedTransport) and staged.device is dev
+    send, recv = torch.arange(6.0), torch.zeros(6)
+    staged.start([(0, send)], [(0, recv)], tag=1).wait()  # to itself, through host staging
+    assert torch.equal(recv, send)
+    with pytest.raises(TransportError, match=r"the staged transport moves device tensors .* "
+                                             r"pass device="):
+        make_transport("staged", comm)
+    with pytest.raises(TransportError, match=r"'auto' is not a transport; .* choose_transport"):
+        make_transport("auto", comm, dev)
 
 
 def test_importing_the_packages_does_not_import_cupy():

@@ -3,21 +3,26 @@
     name = choose_transport("auto", "cpu")                  # "mpi"
     name = choose_transport("auto", "cuda", nccl=True, shared_gpu=False)   # "nccl"
     choose_transport("nccl", "cpu")                         # TransportError: needs --device cuda
+    transport = make_transport("staged", comm, CudaDevice())  # the object, over one communicator
 
 Pure: the caller says what the machine offers (device type, whether CuPy's NCCL imports, whether
 ranks of one node share a GPU). ``auto`` picks, for device tensors, NCCL when every rank has its
 own GPU and NCCL is there, CUDA IPC when ranks share GPUs on a node (NCCL refuses two ranks on one
 GPU), host-staged MPI otherwise; for CPU tensors mpi4py. ``device=None``: not known yet (``--device
 auto`` before CUDA was probed): only the names that can never work are refused.
+
+:func:`make_transport` builds the chosen transport over one communicator; each group of ranks
+(the spatial grid, a stage pair) gets its own, made by the layer that owns the communicator.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
-from halo.transport.base import TransportError
+from halo.transport.base import Transport, TransportError
+from halo.transport.streams import Device
 
-__all__ = ["TRANSPORTS", "DEVICE_TRANSPORTS", "choose_transport"]
+__all__ = ["TRANSPORTS", "DEVICE_TRANSPORTS", "choose_transport", "make_transport"]
 
 TRANSPORTS = ("auto", "nccl", "ipc", "staged", "mpi")
 DEVICE_TRANSPORTS = ("nccl", "ipc", "staged")
@@ -48,3 +53,33 @@ def choose_transport(name: str, device: Optional[str], nccl: bool = False,
                              "two ranks on one GPU ('Duplicate GPU detected'); pass --transport "
                              "ipc or staged, or one rank per GPU")
     return name
+
+
+def make_transport(name: str, comm: Any, device: Optional[Device] = None) -> Transport:
+    """The transport ``name`` ("mpi", "staged", "ipc" or "nccl", as :func:`choose_transport`
+    resolved it) over the mpi4py communicator ``comm``; the device transports order their work
+    on ``device``'s streams (:class:`~halo.transport.streams.CudaDevice`, or the CPU stand-in
+    in tests). Collective over ``comm`` for "nccl" (its unique id is broadcast)."""
+    if name == "mpi":
+        from halo.transport.mpi import MPITransport
+
+        return MPITransport(comm)
+    if name not in DEVICE_TRANSPORTS:
+        raise TransportError(f"make_transport: {name!r} is not a transport; pass one of mpi, "
+                             f"{', '.join(DEVICE_TRANSPORTS)} (resolve 'auto' with "
+                             f"choose_transport first)")
+    if device is None:
+        raise TransportError(f"make_transport: the {name} transport moves device tensors and "
+                             f"needs the device whose streams order its copies; pass device=")
+    if name == "staged":
+        from halo.transport.mpi import MPITransport
+        from halo.transport.staged import StagedTransport
+
+        return StagedTransport(MPITransport(comm), device)
+    if name == "ipc":
+        from halo.transport.ipc import IPCTransport
+
+        return IPCTransport(comm, device)
+    from halo.transport.nccl import NCCLTransport
+
+    return NCCLTransport(comm, device)

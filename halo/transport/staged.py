@@ -8,7 +8,7 @@
 
 Correct on any MPI, CUDA-aware or not: MPI only ever sees host buffers. Order of work:
 
-    compute: ...produce d_send... [ev0]                          [wait ev2] ...use d_recv...
+    compute: ...produce d_send, last read of d_recv... [ev0]        [wait ev2] ...use d_recv...
     comm:                   [wait ev0] D2H(d_send -> h_send) [ev1]   H2D(h_recv -> d_recv) [ev2]
     host:    Irecv(h_recv) at start; Isend(h_send) once ev1 has completed; MPI completes; H2D
 
@@ -116,10 +116,12 @@ class StagedTransport(Transport):
         rbufs = [self.pool.acquire(t.nbytes) for _, t in recvs]
         host_recvs = [(peer, _host_view(b, t)) for b, (peer, t) in zip(rbufs, recvs)]
         host_recv = self.host.start([], host_recvs, tag)
+        # Everything enqueued on the compute stream so far comes first: the producers of the send
+        # tensors, and the last readers of the receive tensors (the H2D copy overwrites them).
+        self.comm_stream.wait_event(self.device.compute.record())
         d2h: Optional[Event] = None
         sbufs, host_sends = [], []
         if sends:
-            self.comm_stream.wait_event(self.device.compute.record())  # after the producers
             for peer, t in sends:
                 b = self.pool.acquire(t.nbytes)
                 self.comm_stream.copy_(_host_view(b, t), t)

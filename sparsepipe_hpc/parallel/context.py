@@ -39,8 +39,9 @@ class ParallelContext:
     """One rank's communicators, position and spatial group (collective to construct).
 
     cuts: ``"balanced"`` (voxel-count quantiles per batch) or ``"uniform"``; overlap: run the
-    interior convolution while halos travel; transport: halo transport (default MPI host
-    buffers); force_spatial: run the distributed layers even on a 1x1x1 grid (benchmarks).
+    interior convolution while halos travel; transport: what moves halo rows (a Transport over
+    the spatial grid's ranks, or a function making one from the grid's communicator; default
+    mpi4py on host buffers, see :class:`SpatialGroup`); force_spatial: run the distributed layers even on a 1x1x1 grid (benchmarks).
     """
 
     def __init__(self, comm: Any, layout: RankLayout, cuts: str = "balanced",

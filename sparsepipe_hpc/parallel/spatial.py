@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 
@@ -38,6 +38,7 @@ from halo.exchange import HaloExchange
 from halo.grid import ProcessGrid
 from halo.kmap import KernelMap, kernel_map, output_coords
 from halo.plan import build_plan, halo_radius
+from halo.transport.base import Transport
 from halo.transport.mpi import MPITransport
 from sparsepipe_hpc.engine.base import Engine
 from sparsepipe_hpc.nn.amp import autocast_inputs
@@ -92,13 +93,25 @@ class DistMaps:
         return out
 
 
-class SpatialGroup:
-    """The ranks that share every sample of a replica: a Cartesian grid and its transport."""
+TransportSpec = Union[Transport, Callable[[Any], Transport], None]
 
-    def __init__(self, comm: Any, dims: Sequence[int], transport: Any = None,
+
+class SpatialGroup:
+    """The ranks that share every sample of a replica: a Cartesian grid and its transport.
+
+    ``transport``: what moves this group's halo rows and plan coordinates: a
+    :class:`~halo.transport.base.Transport` over the grid's ranks, or a function that makes one
+    from the grid's communicator (``lambda comm: make_transport("staged", comm, device)``);
+    default mpi4py on host tensors. Device tensors need a device transport (staged, ipc, nccl).
+    """
+
+    def __init__(self, comm: Any, dims: Sequence[int], transport: TransportSpec = None,
                  overlap: bool = True, native_local: bool = True):
         self.grid = ProcessGrid(comm, dims)
-        self.transport = transport if transport is not None else MPITransport(self.grid.comm)
+        if transport is None:
+            transport = MPITransport
+        self.transport: Transport = (transport if isinstance(transport, Transport)
+                                     else transport(self.grid.comm))
         self.overlap = overlap
         # Submanifold layers' local parts through the engine's own map (False: our KernelMap
         # for every part, the path before; kept for the equality tests and the benchmark).
@@ -146,7 +159,7 @@ class SpatialDomain:
     def owned_rows(self, coords: torch.Tensor, stride: int = 1) -> torch.Tensor:
         """bool [N]: rows of ``coords [N, 4]`` (at ``stride``) inside this rank's box."""
         where = torch.as_tensor(self.cuts.locate(coords[:, 1:], stride=stride))
-        mine = torch.tensor(self.grid.coords, dtype=where.dtype)
+        mine = torch.tensor(self.grid.coords, dtype=where.dtype, device=where.device)
         return (where == mine).all(1)
 
     # --- convolution -----------------------------------------------------------------------------
@@ -180,8 +193,8 @@ class SpatialDomain:
         misalign = 0 if s.subm else self.cuts.misalignment(s.stride, x.stride)
         radius = halo_radius(*geometry, misalign=misalign)
         out_shape = s.out_shape(x.spatial_shape)
-        plan = build_plan(self.grid, self.cuts, x.coords, radius, stride=x.stride) \
-            if radius > 0 else None
+        plan = build_plan(self.grid, self.cuts, x.coords, radius, stride=x.stride,
+                          transport=self.group.transport) if radius > 0 else None
         if s.subm:
             out = x.coords
         elif plan is not None:

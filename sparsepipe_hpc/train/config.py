@@ -415,13 +415,11 @@ def _apply_plan(given: dict[str, Any]) -> dict[str, Any]:
 def _check_device(cfg: TrainConfig) -> None:
     """What --device cuda and --precision can run with today (pure: CUDA presence is checked by
     the trainer, sparsepipe_hpc.train.device)."""
-    spatial = math.prod(cfg.grid) > 1
-    if cfg.device == "cuda" and (spatial or cfg.stages > 1 or cfg.micro_batches > 1):
-        raise ConfigError(f"--device cuda runs data parallelism only (--grid 1,1,1, --stages 1, "
-                          f"--micro-batches 1) for now: halo exchange and stage transfers move "
-                          f"host tensors; got --grid {','.join(map(str, cfg.grid))} --stages "
-                          f"{cfg.stages} --micro-batches {cfg.micro_batches}; pass --device cpu "
-                          "for spatial or pipeline parallelism")
+    if cfg.device == "cuda" and (cfg.stages > 1 or cfg.micro_batches > 1):
+        raise ConfigError(f"--device cuda runs spatial and data parallelism (--stages 1, "
+                          f"--micro-batches 1) for now: stage transfers move host tensors; got "
+                          f"--stages {cfg.stages} --micro-batches {cfg.micro_batches}; pass "
+                          "--device cpu for pipeline parallelism")
     if cfg.precision != "fp32" and (cfg.stages > 1 or cfg.micro_batches > 1):
         raise ConfigError(f"--precision {cfg.precision} runs without a pipeline for now (stage "
                           f"transfers carry float32); got --stages {cfg.stages} --micro-batches "

@@ -76,24 +76,22 @@ def trainer_device(cfg: Any, comm: Any) -> tuple[torch.device, Optional[str]]:
     """The trainer's device on this rank and a note for the user (or None). **Collective** (the
     local rank may come from splitting ``comm``; a ConfigError on any rank is raised on all).
 
-    ``auto`` stays on the CPU for spatial or pipeline runs, whose halo and stage transfers move
-    host tensors (the note says so); ``cuda`` there is refused by the config already.
+    ``auto`` stays on the CPU for pipeline runs, whose stage transfers move host tensors (the
+    note says so); ``cuda`` there is refused by the config already.
     """
-    import math
-
     from sparsepipe_hpc.train.agreement import agree
 
     if cfg.device == "cpu":
         return torch.device("cpu"), None
-    host_only = math.prod(cfg.grid) > 1 or cfg.stages > 1 or cfg.micro_batches > 1
+    host_only = cfg.stages > 1 or cfg.micro_batches > 1
     local_rank = 0
     if cfg.device == "cuda" or not host_only:
         from launch.env import detect
 
         local_rank = detect(comm).local_rank
     if cfg.device == "auto" and host_only:
-        note = ("--device auto: spatial and pipeline runs compute on the CPU for now (their "
-                "halo and stage transfers move host tensors)") if cuda_device_count() else None
+        note = ("--device auto: pipeline runs compute on the CPU for now (their stage "
+                "transfers move host tensors)") if cuda_device_count() else None
         return torch.device("cpu"), note
     device = agree(comm, lambda: resolve_device(cfg.device, local_rank))
     return device, None

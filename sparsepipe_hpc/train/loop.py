@@ -79,7 +79,7 @@ from sparsepipe_hpc.parallel.input import LocalBatch, read_distributed
 from sparsepipe_hpc.train.config import (TrainConfig, distributed_input, local_batch_size,
                                          resolve_layout)
 from sparsepipe_hpc.train.device import Precision, move_tensor, trainer_device
-from sparsepipe_hpc.train.transport import trainer_transport
+from sparsepipe_hpc.train.transport import halo_transport, trainer_transport
 from sparsepipe_hpc.train.metrics import ConfusionMatrix, MetricsLog, format_summary
 from sparsepipe_hpc.train.output import OutputError, atomic_write, check_out_dir, format_bytes
 from sparsepipe_hpc.tracing import Recorder, gather_chrome_trace, recording, span
@@ -142,13 +142,16 @@ class Trainer:
             should_stop = stop_requested
         self.cfg, self.comm, self.should_stop = cfg, comm, should_stop
         self.layout = resolve_layout(cfg, comm.Get_size())
-        self.ctx = ParallelContext(comm, self.layout, cuts=cfg.cuts, overlap=cfg.overlap)
         self.is_root = comm.Get_rank() == 0
         self._log = log if self.is_root else None
         # --device, --precision (sparsepipe_hpc.train.device): a ConfigError on every rank when
-        # CUDA is asked for and absent.
+        # CUDA is asked for and absent. --transport (halo.transport.select): likewise when a
+        # device transport is asked for without CUDA; it moves the spatial grid's halos.
         self.device, device_note = trainer_device(cfg, comm)
         self.precision = Precision(cfg.precision, self.device)
+        self.transport = trainer_transport(cfg, self.device, comm)
+        self.ctx = ParallelContext(comm, self.layout, cuts=cfg.cuts, overlap=cfg.overlap,
+                                   transport=halo_transport(self.transport, self.device))
         if device_note:
             self._say(f"note: {device_note}")
         self.seg = cfg.task == "seg"
@@ -187,10 +190,8 @@ class Trainer:
 
         params = list(self.pipe.parameters() if self.pipe else self.model.parameters())
         self.train_params = params
-        # --transport (halo.transport.select): the same ConfigError on every rank when a device
-        # transport is asked for without CUDA. --grad-bucket-mb: bucketed all-reduce started
-        # during backward (sparsepipe_hpc.parallel.gradients), or one flat one after it (0).
-        self.transport = trainer_transport(cfg, self.device, comm)
+        # --grad-bucket-mb: bucketed all-reduce started during backward
+        # (sparsepipe_hpc.parallel.gradients), or one flat one after it (0).
         self.reducer = (self.ctx.gradient_reducer(params, max(1, int(cfg.grad_bucket_mb * 2**20)))
                         if cfg.grad_bucket_mb > 0 else None)
         if cfg.optimizer == "sgd":

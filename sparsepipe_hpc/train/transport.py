@@ -1,24 +1,28 @@
 """``--transport`` in the trainer: resolve it on this rank's device, the same way on every rank.
 
     name = trainer_transport(cfg, device, comm)   # "mpi" on CPU; ConfigError for nccl without CUDA
+    make = halo_transport(name, device)           # None (mpi4py), or comm -> device transport
+    ctx = ParallelContext(comm, layout, transport=make)   # the spatial grid's halo transport
 
 On CPU only ``mpi`` exists (``auto`` -> ``mpi``); a device transport asked for on a CPU run is a
-ConfigError on every rank (``agree``). On CUDA ``auto`` resolves to ``staged`` for now: gradient
-buckets then move device -> host -> MPI -> host -> device, the path whose logic the CPU suite
-tests; ``nccl`` and ``ipc`` must be asked for by name (halo.transport.device, not yet run on a GPU).
+ConfigError on every rank (``agree``). On CUDA ``auto`` resolves to ``staged`` for now: halo rows
+and plan coordinates then move device -> pinned host -> MPI -> pinned host -> device on a
+communication stream, the path whose ordering the CPU suite tests on a stand-in device; ``nccl``
+and ``ipc`` must be asked for by name (not yet run on a GPU). Reductions (gradient buckets,
+BatchNorm statistics) stage device tensors through host copies (halo.transport.collectives).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
-from halo.transport.base import TransportError
-from halo.transport.select import choose_transport
+from halo.transport.base import Transport, TransportError
+from halo.transport.select import choose_transport, make_transport
 from sparsepipe_hpc.train.config import ConfigError
 
-__all__ = ["trainer_transport"]
+__all__ = ["trainer_transport", "halo_transport"]
 
 
 def _nccl_imports() -> bool:
@@ -54,3 +58,15 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
         return str(agree(comm, pick))
     except SetupError as e:  # the same ConfigError on every rank, whichever rank found it
         raise ConfigError(str(e)) from None
+
+
+def halo_transport(name: str, device: torch.device) -> Optional[Callable[[Any], Transport]]:
+    """What makes a group's halo transport from its communicator for the resolved ``name``:
+    None for "mpi" (the spatial group's default), else a device transport on ``device``'s
+    streams (one :class:`~halo.transport.streams.CudaDevice` shared by every group)."""
+    if name == "mpi":
+        return None
+    from halo.transport.streams import CudaDevice
+
+    streams = CudaDevice(device)
+    return lambda comm: make_transport(name, comm, streams)

@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from halo.kmap import coord_keys
+from halo.transport.mpi import MPITransport
+from halo.transport.staged import StagedTransport
+from halo.transport.streams import SimDevice
 from sparsepipe_hpc.nn import (BatchNorm, GlobalPool, SparseConv3d, SparseInverseConv3d,
                                SparseResNet, SparseUNet, SubMConv3d)
 from sparsepipe_hpc.parallel.context import ParallelContext
@@ -54,13 +57,14 @@ def rows_of(ref: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
     return found
 
 
-def run_pair(comm, grid, cuts, net, x, align, probe_seed=7, explicit=None):
+def run_pair(comm, grid, cuts, net, x, align, probe_seed=7, explicit=None, transport=None):
     """Serial and distributed forward+backward of ``net`` on ``x``; returns what to compare.
-    ``explicit``: Cuts to use instead of the context's (any positions, aligned or not)."""
+    ``explicit``: Cuts to use instead of the context's (any positions, aligned or not);
+    ``transport``: the spatial group's (ParallelContext's argument)."""
     torch.manual_seed(0)
     serial = net().double()
     dist = copy.deepcopy(serial)
-    ctx = ParallelContext(comm, RankLayout(1, 1, grid), cuts=cuts)
+    ctx = ParallelContext(comm, RankLayout(1, 1, grid), cuts=cuts, transport=transport)
     # serial oracle
     fs = x.feats.clone().requires_grad_()
     ys = serial(x.replace(feats=fs, kmaps={}))
@@ -123,6 +127,26 @@ def test_model_equivalence(comm, model, cuts):
         net = lambda: SparseResNet(3, 5, width=4, depth=2, pool="max")  # noqa: E731
     for grid in grids_for(comm):
         run_pair(comm, grid, cuts, net, x, align=4)
+
+
+def staged_on_stand_in(comm):
+    """The host-staged device transport, its streams on the CPU stand-in device."""
+    return StagedTransport(MPITransport(comm), SimDevice())
+
+
+@pytest.mark.parametrize("kind", ["random", "clustered"])
+@pytest.mark.parametrize("model", ["unet", "down_up_k3", "bn"])
+def test_staged_transport_equals_serial(comm, model, kind):
+    """Halo rows, their adjoint and the plans' coordinates through StagedTransport (device ->
+    staging -> MPI -> staging -> device, ordered by stream events; here on the stand-in
+    device, on a GPU the same code on CudaDevice): the serial result, on every grid."""
+    if model == "unet":
+        net, align = (lambda: SparseUNet(3, 5, width=4, depth=2)), 4  # noqa: E731
+    else:
+        net, align = LAYERS[model]
+    x = make_cloud(3, kind)
+    for grid in grids_for(comm):
+        run_pair(comm, grid, "balanced", net, x, align, transport=staged_on_stand_in)
 
 
 def odd_cuts(grid, extent, offset):

@@ -7,6 +7,7 @@ The same StagedTransport on CudaDevice (real GPU streams) is not run here (no GP
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from halo.transport.mpi import MPITransport
@@ -58,6 +59,26 @@ def test_many_requests_any_completion_order_and_buffer_reuse(comm):
     for _ in range(3):  # every copy has run: steady state allocates nothing new
         tr.start([(right, sends[0])], [(left, recvs[0])], tag=5).wait()
     assert tr.pool.allocated == made
+
+
+def test_receive_waits_for_earlier_readers_on_the_compute_stream(comm):
+    """The H2D copy overwrites the receive tensor, so it runs after the compute stream's earlier
+    work, which may still read the old contents - in a receive-only request too."""
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    dev = SimDevice()
+    tr = StagedTransport(MPITransport(comm), dev)
+    if comm.rank == 0:
+        tr.start([(1, torch.full((5,), 7.0))], [], tag=4).wait()
+    elif comm.rank == 1:
+        recv = torch.full((5,), -1.0)
+        seen: list[torch.Tensor] = []
+        dev.compute.hold()
+        dev.compute.launch(lambda: seen.append(recv.clone()))  # an earlier reader of recv
+        tr.start([], [(0, recv)], tag=4).wait()  # MPI is done; the H2D copy must still wait
+        assert recv.eq(-1).all(), "the H2D copy overwrote a tensor an earlier kernel reads"
+        dev.compute.release()
+        assert seen[0].eq(-1).all() and recv.eq(7).all()
 
 
 def test_nothing_to_do(comm):

@@ -49,3 +49,35 @@ def test_device_transport_without_cuda_is_a_config_error_on_every_rank(comm, sha
     cfg = parse_config(argv(shared, "--transport", name))  # --device auto: known at start-up
     with pytest.raises(ConfigError, match=f"--transport {name} moves CUDA device tensors"):
         Trainer(cfg, comm, log=None)
+
+
+def test_the_trainer_hands_its_halo_transport_to_the_spatial_grid(comm, shared, monkeypatch):
+    """What ``halo_transport`` makes moves the grid's halo rows and plan coordinates: host
+    staging ordered by stream events (the path of --device cuda --transport staged, here on the
+    CPU stand-in device) trains the same losses as mpi4py on host tensors."""
+    if comm.size < 2:
+        pytest.skip("a spatial grid needs 2+ ranks")
+    from halo.transport.mpi import MPITransport
+    from halo.transport.staged import StagedTransport
+    from halo.transport.streams import SimDevice
+    from sparsepipe_hpc.train import loop
+
+    grid = ["--grid", f"{comm.size},1,1", "--steps", "2"]
+    plain = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / "run-mpi"))), comm,
+                    log=None).run()
+    made: list[StagedTransport] = []
+
+    def staged_on_stand_in(name, device):
+        def make(grid_comm):
+            made.append(StagedTransport(MPITransport(grid_comm), SimDevice()))
+            return made[-1]
+        return make
+
+    monkeypatch.setattr(loop, "halo_transport", staged_on_stand_in)
+    t = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / "run-staged"))), comm,
+                log=None)
+    assert len(made) == 1 and t.ctx.group.transport is made[0]
+    staged = t.run()
+    assert comm.allreduce(made[0].pool.allocated) > 0, "no halo went through the transport"
+    assert staged["train"]["loss"] == pytest.approx(plain["train"]["loss"], rel=1e-6)
+    assert staged["eval"]["miou"] == pytest.approx(plain["eval"]["miou"], rel=1e-6)
