@@ -1,0 +1,75 @@
+"""Spatial parallelism on CUDA tensors under real mpirun: halos through the device transports.
+
+Every rank computes on a GPU (ranks share one when there are fewer GPUs than ranks, as on the
+one-H100 machines here) and its spatial grid's halos move through StagedTransport (device ->
+pinned host -> MPI -> pinned host -> device, on a communication stream) or IPCTransport (CUDA IPC,
+CuPy); the serial float64 run on the CPU is the oracle, as in test_spatial.py. NCCL is not run
+here: it refuses two ranks on one GPU (tests/mpi/test_nccl.py covers it with a GPU per rank).
+Skipped, with the reason, without CUDA (the CPU suite runs the same code on the stand-in device:
+test_spatial.py::test_staged_transport_equals_serial).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from sparsepipe_hpc.nn import SparseUNet
+from sparsepipe_hpc.parallel.context import ParallelContext
+from sparsepipe_hpc.parallel.layout import RankLayout
+from test_spatial import TOL, grids_for, make_cloud, rows_of
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device: device transports run on GPUs only")
+
+
+def transport_maker(name: str):
+    from halo.transport.select import make_transport
+    from halo.transport.streams import CudaDevice
+
+    if name == "ipc" and importlib.util.find_spec("cupy") is None:
+        pytest.skip("CuPy is not installed (the gpu extra): no CUDA IPC")
+    streams = CudaDevice()
+    return lambda comm: make_transport(name, comm, streams)
+
+
+@pytest.fixture(autouse=True)
+def _my_gpu(comm):
+    torch.cuda.set_device(comm.rank % torch.cuda.device_count())
+
+
+@pytest.mark.parametrize("name", ["staged", "ipc"])
+@pytest.mark.parametrize("engine", ["torch", "spconv"])
+def test_unet_on_cuda_equals_serial(comm, name, engine):
+    """float64 with the own engine (exact to rounding); float32 with spconv's CUDA kernels
+    (implicit GEMM for the local part) to float32 tolerance."""
+    dtype = torch.float64 if engine == "torch" else torch.float32
+    tol = TOL if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+    x = make_cloud(5, "random", batch=2)
+    for grid in grids_for(comm):
+        torch.manual_seed(0)
+        serial = SparseUNet(3, 5, width=4, depth=2, engine="torch").double()
+        dist = SparseUNet(3, 5, width=4, depth=2, engine=engine)
+        dist.load_state_dict(serial.state_dict())
+        dist.to("cuda", dtype)
+        ctx = ParallelContext(comm, RankLayout(1, 1, grid), transport=transport_maker(name))
+        fs = x.feats.clone().requires_grad_()
+        ys = serial(x.replace(feats=fs, kmaps={}))
+        xl, = ctx.distribute(x.replace(kmaps={}), align=4)
+        fd = xl.feats.to("cuda", dtype).requires_grad_()
+        yd = dist(xl.replace(coords=xl.coords.cuda(), feats=fd))
+        r = torch.randn(ys.feats.shape, generator=torch.Generator().manual_seed(7),
+                        dtype=torch.float64)
+        (ys.feats * r).sum().backward()
+        rows = rows_of(ys.coords, yd.coords.cpu())
+        (yd.feats * r[rows].to("cuda", dtype)).sum().backward()
+        torch.testing.assert_close(yd.feats.detach().cpu().double(), ys.feats[rows].detach(),
+                                   **tol)
+        in_rows = rows_of(x.coords, xl.coords)
+        torch.testing.assert_close(fd.grad.cpu().double(), fs.grad[in_rows], **tol)
+        ctx.allreduce_gradients(dist)
+        for (n, ps), pd in zip(serial.named_parameters(), dist.parameters()):
+            torch.testing.assert_close(pd.grad.cpu().double(), ps.grad, **tol,
+                                       msg=lambda m: f"{n}: {m}")
