@@ -69,6 +69,14 @@ def test_delayed_transport_holds_requests_back(monkeypatch):
     assert clock.slept == [pytest.approx(0.02)] and torch.equal(c, d)
     with pytest.raises(ValueError, match="seconds is -1"):
         halo.DelayedTransport(inner, -1)
+    assert slow.delayed == 2
+    # tags=: only those messages wait (the halo's, say, not a plan's blocking ones).
+    picky = halo.DelayedTransport(inner, 0.03, tags=[7])
+    e, f = torch.full((3,), 4.0), torch.zeros(3)
+    picky.start([(0, e)], [(0, f)], 8).wait()
+    assert len(clock.slept) == 1 and picky.delayed == 0 and torch.equal(e, f)
+    picky.start([(0, e)], [(0, f)], 7).wait()
+    assert clock.slept[1:] == [pytest.approx(0.03)] and picky.delayed == 1
 
 
 def self_plan():

@@ -5,12 +5,15 @@
     # time (local work + wait) with and without overlap to see how much of it the work hides
 
 The delay is measured from ``start``: a request whose caller computed for longer than ``seconds``
-before waiting costs nothing extra, exactly like a transfer hidden behind computation.
+before waiting costs nothing extra, exactly like a transfer hidden behind computation. ``tags``
+limits it to some kinds of message (e.g. the halo exchange's, not the plans' blocking ones), and
+``delayed`` counts the requests it held back.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Collection, Optional
 
 from halo.transport.base import Peers, Request, Transport
 
@@ -36,12 +39,19 @@ class DelayedRequest(Request):
 class DelayedTransport(Transport):
     """``inner`` with every request's completion held back until ``seconds`` after its start."""
 
-    def __init__(self, inner: Transport, seconds: float) -> None:
+    def __init__(self, inner: Transport, seconds: float,
+                 tags: Optional[Collection[int]] = None) -> None:
         if seconds < 0:
             raise ValueError(f"DelayedTransport: seconds is {seconds}; it must be >= 0")
         self.inner = inner
         self.seconds = float(seconds)
+        self.tags = None if tags is None else frozenset(int(t) for t in tags)
+        self.delayed = 0  # requests held back so far
 
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
         t0 = time.perf_counter()
-        return DelayedRequest(self.inner.start(sends, recvs, tag), t0 + self.seconds)
+        req = self.inner.start(sends, recvs, tag)
+        if self.tags is not None and tag not in self.tags:
+            return req
+        self.delayed += 1
+        return DelayedRequest(req, t0 + self.seconds)

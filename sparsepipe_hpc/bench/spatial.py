@@ -44,6 +44,17 @@ def step_fn(net, x, ctx=None, align=16):
     return step
 
 
+def delayed_halos(seconds: float):
+    """A spatial group's transport (from its communicator) that holds each halo exchange back
+    ``seconds`` from its start; plan builds, which block, are not delayed."""
+    from halo.exchange import EXCHANGE_TAG
+    from halo.transport.delay import DelayedTransport
+    from halo.transport.mpi import MPITransport
+
+    return lambda comm: DelayedTransport(MPITransport(comm), seconds,
+                                         tags=(EXCHANGE_TAG, EXCHANGE_TAG + 1))
+
+
 HALO_GRIDS = [(2, 1, 1), (4, 1, 1), (8, 1, 1), (2, 2, 1), (2, 2, 2), (4, 2, 2)]
 
 
@@ -122,13 +133,7 @@ def main(argv: list[str]) -> None:
     if n > 1:
         for overlap in (True, False):
             for delay in (0.0, args.delay_ms / 1e3):
-                transport = None
-                if delay:
-                    from halo.transport.delay import DelayedTransport
-                    from halo.transport.mpi import MPITransport
-
-                    probe = ParallelContext(world, RankLayout(1, 1, (n, 1, 1)))
-                    transport = DelayedTransport(MPITransport(probe.group.grid.comm), delay)
+                transport = delayed_halos(delay) if delay else None
                 ctx = ParallelContext(world, RankLayout(1, 1, (n, 1, 1)), overlap=overlap,
                                       transport=transport)
                 fn = step_fn(unet(), x, ctx, align)
