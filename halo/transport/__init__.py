@@ -9,9 +9,10 @@ A transport moves whole tensors to and from peer ranks; matching is by (peer, ta
 order, as in MPI. Layers above never touch MPI directly, so a device transport can replace
 :class:`MPITransport` without changing them.
 
-Modules: ``base`` (the interface), ``mpi`` (host tensors, mpi4py), ``collectives`` (all-reduce and
-broadcast of tensors: the one home of every reduction the layers make), ``streams`` (stream/event
-ordering: CUDA through torch, and a CPU stand-in for tests; staging-buffer pool), ``staged``
+Modules: ``base`` (the interface), ``mpi`` (host tensors, mpi4py), ``collectives`` (all-reduce,
+broadcast and all-gather of tensors: the one home of every collective the layers make),
+``streams`` (stream/event ordering: CUDA through torch, and a CPU stand-in for tests;
+staging-buffer pool), ``staged``
 (device -> pinned host -> MPI -> host -> device), ``nccl`` (CuPy NCCL) and ``ipc`` (CUDA IPC
 between ranks of a node) - both unverified, no GPU yet -,
 ``select`` (``--transport auto|nccl|ipc|staged|mpi``), ``delay`` (a simulated slow network).
@@ -19,9 +20,9 @@ Nothing here imports CuPy at module import.
 """
 
 from halo.transport.base import Request, Transport, TransportError
-from halo.transport.collectives import allreduce_, bcast_, iallreduce_
+from halo.transport.collectives import allgatherv, allreduce_, bcast_, iallreduce_
 from halo.transport.delay import DelayedTransport
 from halo.transport.mpi import MPITransport
 
 __all__ = ["Transport", "Request", "TransportError", "MPITransport", "DelayedTransport",
-           "allreduce_", "iallreduce_", "bcast_"]
+           "allreduce_", "iallreduce_", "bcast_", "allgatherv"]

@@ -1,9 +1,11 @@
-"""Collectives on tensors: all-reduce (blocking and started), broadcast - the one home for them.
+"""Collectives on tensors: all-reduce (blocking and started), broadcast, variable-count
+all-gather - the one home for them.
 
     allreduce_(stats, comm)                  # in place, sum over comm (no-op for None / 1 rank)
     req = iallreduce_(bucket, comm)          # started; compute meanwhile ...
     req.wait()                               # bucket now holds the sum
     bcast_(weights, comm, root=0)
+    everything = allgatherv(my_rows, comm)   # every rank's rows, in rank order
 
 Every layer that sums over ranks (BatchNorm statistics, pooling, loss counts, metrics, gradients)
 calls these, never mpi4py directly. Host (CPU) tensors go to MPI as raw bytes at their address
@@ -12,17 +14,21 @@ with the matching MPI datatype: no numpy, no copy, no pickling. A tensor MPI has
 once, to the tensor's dtype); a non-contiguous one through a contiguous copy. Device tensors: with a
 ``transport`` that has ``allreduce_`` (the device transports of :mod:`halo.transport.device`) they
 stay on the device; without one they are staged through a host copy (correct, not fast).
+``allgatherv`` moves exact copies, so a dtype MPI has no datatype for travels as bytes; device
+tensors are staged through a host copy and the result returned on their device.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any, Optional
 
 import torch
 
-from halo.transport.base import CompletedRequest, Request
+from halo.transport.base import CompletedRequest, Request, TransportError
 
-__all__ = ["allreduce_", "iallreduce_", "bcast_", "mpi_op"]
+__all__ = ["allreduce_", "iallreduce_", "bcast_", "allgatherv", "mpi_op"]
 
 _OPS = ("sum", "max", "min")
 
@@ -152,3 +158,46 @@ def bcast_(t: torch.Tensor, comm: Any, root: int = 0) -> torch.Tensor:
     with torch.no_grad():
         t.copy_(host)
     return t
+
+
+def allgatherv(t: torch.Tensor, comm: Any) -> torch.Tensor:
+    """Every rank's rows of ``t``, concatenated in rank order, on every rank of ``comm``.
+
+    t: ``[n_r, *row]`` on rank r, any dtype and device; ``n_r`` may differ between ranks (and be
+    0), ``row`` and the dtype must be the same everywhere. Returns ``[sum n_r, *row]``, t's dtype,
+    on t's device, not part of the autograd graph (at one rank, or comm None: ``t.detach()``,
+    sharing t's memory). **Collective** over ``comm``: the row counts, shapes and dtypes travel
+    first (one small ``allgather``), so a mismatch raises the same :class:`TransportError` on
+    every rank; then the rows go in one ``MPI_Allgatherv`` from the host tensor's address, with
+    its MPI datatype, or as bytes for a dtype MPI lacks (bfloat16, bool, ...; a gather is exact).
+    Device tensors go through a host copy.
+    """
+    row = tuple(t.shape[1:])
+    n = int(t.shape[0]) if t.dim() else None
+    metas = [(n, row, str(t.dtype))] if _size(comm) == 1 else \
+        comm.allgather((n, row, str(t.dtype)))
+    scalar = [r for r, m in enumerate(metas) if m[0] is None]
+    if scalar:  # checked after the allgather, so every rank raises, not only the odd one
+        raise TransportError(f"allgatherv: t must have a row axis (at least one dimension); rank(s) "
+                             f"{scalar} gave a 0-d tensor; gather t.reshape(1) instead")
+    if len(metas) == 1:
+        return t.detach()
+    if any(m[1:] != metas[0][1:] for m in metas):  # every rank sees the same metas: same verdict
+        found = ", ".join(f"rank {r}: rows {list(shape)} {dtype}"
+                          for r, (_, shape, dtype) in enumerate(metas))
+        raise TransportError(f"allgatherv: every rank must give rows of one shape and dtype; got "
+                             f"{found}; reshape or convert t to agree before gathering")
+    rows = [int(m[0]) for m in metas if m[0] is not None]  # all of them: no 0-d tensors above
+    out = torch.empty((sum(rows),) + row, dtype=t.dtype)
+    if out.numel() > 0:
+        host = t.detach().to("cpu").contiguous()
+        width = math.prod(row)
+        if t.dtype in _mpi_types():
+            unit, per_row = _mpi_types()[t.dtype], width
+        else:
+            unit, per_row = _mpi().BYTE, width * t.element_size()
+        counts = [k * per_row for k in rows]
+        displs = [0, *itertools.accumulate(counts)][:-1]
+        comm.Allgatherv([_raw(host), counts[comm.Get_rank()], unit],
+                        [_raw(out), (counts, displs), unit])
+    return out.to(t.device)

@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from halo.cuts import Cuts
-from halo.transport.collectives import allreduce_, bcast_
+from halo.transport.collectives import allgatherv, allreduce_, bcast_
 from sparsepipe_hpc.parallel.gradients import DEFAULT_BUCKET_BYTES, GradientReducer
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
 from sparsepipe_hpc.sparse import SparseTensor
@@ -115,30 +115,24 @@ class ParallelContext:
         """Per-voxel ``values [n_local, ...]`` of every spatial rank, in the rows of ``full_coords``.
 
         The inverse of :meth:`distribute` for results (predictions, logits): every rank of the
-        spatial group gets ``[len(full_coords), ...]``, e.g. to project predictions back to points
-        with the batch's ``point_to_voxel`` map. Collective over the spatial group.
+        spatial group gets ``[len(full_coords), ...]`` on ``values``' device (values' dtype, any
+        dtype), e.g. to project predictions back to points with the batch's ``point_to_voxel``
+        map. Collective over the spatial group (:func:`~halo.transport.collectives.allgatherv`).
         """
         if self.group is None:
             return values
         from halo.kmap import coord_keys
 
         comm = self.spatial_comm
-        keys = coord_keys(local_coords).contiguous()
-        vals = values.detach().contiguous()
-        row = vals.shape[1:]
-        width = int(torch.tensor(row).prod()) if len(row) else 1
-        counts = comm.allgather(len(keys))
-        all_keys = torch.empty(sum(counts), dtype=torch.int64)
-        comm.Allgatherv(keys.numpy(), [all_keys.numpy(), counts])
-        all_vals = torch.empty((sum(counts),) + tuple(row), dtype=vals.dtype)
-        comm.Allgatherv(vals.numpy(), [all_vals.numpy(), [c * width for c in counts]])
+        all_keys = allgatherv(coord_keys(local_coords), comm)
+        all_vals = allgatherv(values.detach(), comm)
         sorted_keys, order = torch.sort(all_keys)
-        want = coord_keys(full_coords)
+        want = coord_keys(full_coords).to(all_keys.device)
         pos = torch.searchsorted(sorted_keys, want).clamp(max=max(len(order) - 1, 0))
         if len(all_keys) != len(want) or not torch.equal(sorted_keys[pos], want):
             raise ValueError(f"collect: the spatial ranks hold {len(all_keys)} voxels but "
                              f"full_coords has {len(want)}, or different ones")
-        return all_vals[order[pos]]
+        return all_vals[order[pos].to(all_vals.device)]
 
     def bind(self, spatial: Any) -> "ParallelContext":
         c = copy.copy(self)

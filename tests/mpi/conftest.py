@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -115,3 +117,45 @@ def rng(request):
     import numpy as np
 
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def shared_data(tmp_path_factory) -> Callable[..., Path]:
+    """``make(scenes=kwargs, objects=kwargs) -> Path``: tiny synthetic data that rank 0 writes into
+    its temp dir, whose path every rank gets (one node, so every rank sees that directory).
+
+    ``scenes`` / ``objects``: keyword arguments of :func:`sparsepipe_hpc.data.synth.generate_scenes`
+    / ``generate_objects`` (``None``: not made), so a suite names exactly the data it trains on::
+
+        @pytest.fixture(scope="module")
+        def shared(shared_data):
+            return shared_data(scenes=dict(train=8, val=2, seed=1, objects=(2, 4),
+                                           points=(1200, 2000)))
+
+    **Collective** over ``COMM_WORLD``. If rank 0 fails to make the data, every rank raises (rank 0
+    its own error, the others a ``RuntimeError`` quoting it) instead of waiting in the broadcast.
+    """
+
+    def make(*, scenes: Optional[dict[str, Any]] = None,
+             objects: Optional[dict[str, Any]] = None) -> Path:
+        comm = MPI.COMM_WORLD
+        if comm.rank == 0:
+            try:
+                from sparsepipe_hpc.data.synth import generate_objects, generate_scenes
+
+                root = tmp_path_factory.mktemp("shared")
+                if scenes is not None:
+                    generate_scenes(root, **scenes)
+                if objects is not None:
+                    generate_objects(root, **objects)
+            except Exception as exc:
+                comm.bcast((None, f"{type(exc).__name__}: {exc}"), root=0)
+                raise
+            comm.bcast((str(root), None), root=0)
+            return root
+        path, error = comm.bcast(None, root=0)
+        if error is not None:
+            raise RuntimeError(f"shared_data: rank 0 failed to make the test data: {error}")
+        return Path(path)
+
+    return make

@@ -1,13 +1,15 @@
 """halo.transport.collectives under real mpirun: all-reduce (blocking and started) and broadcast
 of every dtype the layers use, contiguous or not, equal to the sum/max/min computed from an
-allgather of the inputs."""
+allgather of the inputs; all-gather of rows (any dtype, row shape, ranks with no rows) equal to the
+concatenation of every rank's rows, which each rank rebuilds from the seeds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from halo.transport.collectives import allreduce_, bcast_, iallreduce_
+from halo.transport.base import TransportError
+from halo.transport.collectives import allgatherv, allreduce_, bcast_, iallreduce_
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.float16, torch.bfloat16]
 
@@ -69,3 +71,65 @@ def test_bcast(comm, dtype):
     nc = local(comm, dtype).t()
     bcast_(nc, comm, root=0)
     assert torch.equal(nc, comm.bcast(local(comm, dtype).t().contiguous(), root=0))
+
+
+# --- allgatherv ---------------------------------------------------------------------------------
+
+def rows_of(rank: int, n: int, row: tuple[int, ...], dtype) -> torch.Tensor:
+    """Rank ``rank``'s ``n`` rows: a pure function, so every rank can build the expected result."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    shape = (n,) + row
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype == torch.int64:  # beyond float64's 2**53: a gather through floats would round
+        return torch.randint(-2**62, 2**62, shape, generator=g, dtype=torch.int64)
+    return (torch.randn(shape, generator=g) * 100).to(dtype)
+
+
+COUNTS = {"rank 1 empty": (3, 0, 5, 1), "rank 0 empty": (0, 2, 0, 4), "all empty": (0, 0, 0, 0)}
+
+
+@pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
+@pytest.mark.parametrize("row", [(), (3,), (2, 3)], ids=["1d", "row3", "row2x3"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16, torch.bool])
+def test_allgatherv_is_every_ranks_rows_in_rank_order(comm, dtype, row, counts):
+    mine = rows_of(comm.rank, counts[comm.rank], row, dtype)
+    got = allgatherv(mine, comm)
+    want = torch.cat([rows_of(r, counts[r], row, dtype) for r in range(comm.size)])
+    assert got.dtype == dtype and got.shape == want.shape == (sum(counts[:comm.size]),) + row
+    assert torch.equal(got, want)  # bit for bit, bfloat16 and bool included
+
+
+def test_allgatherv_non_contiguous_and_detached(comm):
+    base = torch.arange(12.0).reshape(3, 4).add(100 * comm.rank).requires_grad_()
+    got = allgatherv(base.t(), comm)  # [4, 3] per rank, a transposed view
+    want = torch.cat([torch.arange(12.0).reshape(3, 4).add(100 * r).t() for r in range(comm.size)])
+    assert torch.equal(got, want) and not got.requires_grad
+
+
+def test_allgatherv_rows_that_disagree_raise_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    shape = (2, 3) if comm.rank == comm.size - 1 else (2, 2)
+    with pytest.raises(TransportError, match=r"every rank must give rows of one shape and dtype; "
+                       r"got rank 0: rows \[2\] torch.float32, .*rank %d: rows \[3\]"
+                       % (comm.size - 1)):
+        allgatherv(torch.zeros(shape), comm)
+    dtype = torch.float64 if comm.rank == 0 else torch.float32
+    with pytest.raises(TransportError, match="rank 0: rows \\[\\] torch.float64"):
+        allgatherv(torch.zeros(2, dtype=dtype), comm)
+
+
+def test_allgatherv_of_a_scalar_raises_on_every_rank(comm):
+    t = torch.tensor(1.0) if comm.rank == 0 else torch.ones(1)
+    with pytest.raises(TransportError, match=r"rank\(s\) \[0\] gave a 0-d tensor"):
+        allgatherv(t, comm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_allgatherv_device_tensor_comes_back_on_its_device(comm):
+    counts = COUNTS["rank 0 empty"]
+    mine = rows_of(comm.rank, counts[comm.rank], (3,), torch.bfloat16).cuda()
+    got = allgatherv(mine, comm)
+    want = torch.cat([rows_of(r, counts[r], (3,), torch.bfloat16) for r in range(comm.size)])
+    assert got.device == mine.device and torch.equal(got.cpu(), want)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from mpi4py import MPI
 
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.gradients import GradientReducer, GradientReducerError
@@ -129,15 +128,8 @@ def test_bad_bucket_size():
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory) -> Path:
-    comm = MPI.COMM_WORLD
-    root = None
-    if comm.rank == 0:
-        from sparsepipe_hpc.data.synth import generate_scenes
-
-        root = tmp_path_factory.mktemp("shared")
-        generate_scenes(root, train=8, val=2, seed=1, objects=(2, 4), points=(1200, 2000))
-    return Path(comm.bcast(str(root) if root else None, root=0))
+def shared(shared_data) -> Path:
+    return shared_data(scenes=dict(train=8, val=2, seed=1, objects=(2, 4), points=(1200, 2000)))
 
 
 # Layouts with more than one rank per stage, so the gradient all-reduce has something to sum.

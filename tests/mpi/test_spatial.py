@@ -255,6 +255,35 @@ def test_collect_gathers_predictions_back(comm):
         assert torch.equal(full, torch.stack([k, k * 2], 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.bool, torch.float32])
+def test_collect_any_dtype_and_row_shape(comm, dtype):
+    """collect() of values numpy cannot hold (bfloat16) and rows of any shape, bit for bit."""
+    x = make_cloud(5, "clustered")
+
+    def value_of(coords):  # a pure function of the voxel: [n, 2, 3]
+        k = coord_keys(coords).remainder(1009).double()
+        v = torch.stack([k * j - 500.25 for j in range(6)], 1).reshape(-1, 2, 3)
+        return v.remainder(2) > 1 if dtype == torch.bool else v.to(dtype)
+
+    for grid in grids_for(comm):
+        ctx = ParallelContext(comm, RankLayout(1, 1, grid))
+        xl, = ctx.distribute(x, align=2)
+        full = ctx.collect(xl.coords, value_of(xl.coords), x.coords)
+        assert full.dtype == dtype and torch.equal(full, value_of(x.coords))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_collect_returns_on_the_values_device(comm):
+    x = make_cloud(6, "random")
+    for grid in grids_for(comm):
+        ctx = ParallelContext(comm, RankLayout(1, 1, grid))
+        xl, = ctx.distribute(x, align=2)
+        values = coord_keys(xl.coords).float().cuda()
+        full = ctx.collect(xl.coords.cuda(), values, x.coords)
+        assert full.device == values.device
+        assert torch.equal(full.cpu(), coord_keys(x.coords).float())
+
+
 def test_bad_input_raises_on_every_rank(comm):
     """Out-of-grid voxels and boxes thinner than a kernel's reach fail alike on all ranks."""
     from halo.cuts import CutError

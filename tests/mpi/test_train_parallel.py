@@ -30,17 +30,10 @@ GLOBAL_BATCH = {"seg": 12, "cls": 12}  # divisible by 1, 2, 3 and 4 ranks
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory) -> Path:
+def shared(shared_data) -> Path:
     """A directory every rank sees (rank 0's temp dir), holding tiny data made by rank 0."""
-    comm = MPI.COMM_WORLD
-    root = None
-    if comm.rank == 0:
-        from sparsepipe_hpc.data.synth import generate_objects, generate_scenes
-
-        root = tmp_path_factory.mktemp("shared")
-        generate_scenes(root, train=12, val=3, seed=1, objects=(2, 4), points=(1200, 2000))
-        generate_objects(root, train=24, test=6, points=64, seed=1)
-    return Path(comm.bcast(str(root) if root else None, root=0))
+    return shared_data(scenes=dict(train=12, val=3, seed=1, objects=(2, 4), points=(1200, 2000)),
+                       objects=dict(train=24, test=6, points=64, seed=1))
 
 
 def config(shared: Path, out: Path, task: str, *extra: str):

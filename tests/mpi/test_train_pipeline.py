@@ -30,15 +30,8 @@ LAYOUTS = {2: [(2, "1,1,1", "2,4")], 3: [(3, "1,1,1", "2,2,2")],
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory) -> Path:
-    comm = MPI.COMM_WORLD
-    root = None
-    if comm.rank == 0:
-        from sparsepipe_hpc.data.synth import generate_scenes
-
-        root = tmp_path_factory.mktemp("shared")
-        generate_scenes(root, train=8, val=3, seed=1, objects=(2, 4), points=(1200, 2000))
-    return Path(comm.bcast(str(root) if root else None, root=0))
+def shared(shared_data) -> Path:
+    return shared_data(scenes=dict(train=8, val=3, seed=1, objects=(2, 4), points=(1200, 2000)))
 
 
 def config(shared: Path, out: Path, *extra: str):

@@ -14,15 +14,8 @@ from sparsepipe_hpc.train.loop import Trainer
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory) -> Path:
-    comm = MPI.COMM_WORLD
-    root = None
-    if comm.rank == 0:
-        from sparsepipe_hpc.data.synth import generate_scenes
-
-        root = tmp_path_factory.mktemp("shared")
-        generate_scenes(root, train=4, val=2, seed=1, objects=(2, 3), points=(800, 1200))
-    return Path(comm.bcast(str(root) if root else None, root=0))
+def shared(shared_data) -> Path:
+    return shared_data(scenes=dict(train=4, val=2, seed=1, objects=(2, 3), points=(800, 1200)))
 
 
 def argv(shared: Path, *extra: str) -> list[str]:
