@@ -45,7 +45,7 @@ def test_nccl_world_of_one_send_to_self_and_allreduce():
     recv = torch.zeros_like(send)
     tr.start([(0, send)], [(0, recv)], tag=0).wait()
     t = send.clone()
-    tr.allreduce_(t)
+    tr.iallreduce_(t).wait()
     torch.cuda.current_stream().synchronize()
     assert torch.equal(recv, send) and torch.equal(t, send)
 

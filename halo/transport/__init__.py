@@ -9,20 +9,21 @@ A transport moves whole tensors to and from peer ranks; matching is by (peer, ta
 order, as in MPI. Layers above never touch MPI directly, so a device transport can replace
 :class:`MPITransport` without changing them.
 
-Modules: ``base`` (the interface), ``mpi`` (host tensors, mpi4py), ``collectives`` (all-reduce,
-broadcast and all-gather of tensors: the one home of every collective the layers make),
-``streams`` (stream/event ordering: CUDA through torch, and a CPU stand-in for tests;
-staging-buffer pool), ``staged``
-(device -> pinned host -> MPI -> host -> device), ``nccl`` (CuPy NCCL) and ``ipc`` (CUDA IPC
-between ranks of a node) - both unverified, no GPU yet -,
-``select`` (``--transport auto|nccl|ipc|staged|mpi``), ``delay`` (a simulated slow network).
+Modules: ``base`` (the interfaces: Transport, Reducer), ``mpi`` (host tensors, mpi4py),
+``collectives`` (all-reduce, broadcast and all-gather of tensors: the one home of every collective
+the layers make; a ReduceGroup routes device tensors to its Reducer), ``streams`` (stream/event
+ordering: CUDA through torch, and a CPU stand-in for tests; staging-buffer pool), ``staged`` and
+``staged_reduce`` (device -> pinned host -> MPI -> host -> device, point-to-point and all-reduce),
+``nccl`` (CuPy NCCL, both) and ``ipc`` (CUDA IPC between ranks of a node) - both unverified, no
+GPU yet -, ``select`` (``--transport auto|nccl|ipc|staged|mpi``), ``delay`` (a simulated slow
+network).
 Nothing here imports CuPy at module import.
 """
 
-from halo.transport.base import Request, Transport, TransportError
-from halo.transport.collectives import allgatherv, allreduce_, bcast_, iallreduce_
+from halo.transport.base import Reducer, Request, Transport, TransportError
+from halo.transport.collectives import ReduceGroup, allgatherv, allreduce_, bcast_, iallreduce_
 from halo.transport.delay import DelayedTransport
 from halo.transport.mpi import MPITransport
 
-__all__ = ["Transport", "Request", "TransportError", "MPITransport", "DelayedTransport",
-           "allreduce_", "iallreduce_", "bcast_", "allgatherv"]
+__all__ = ["Transport", "Reducer", "Request", "TransportError", "MPITransport",
+           "DelayedTransport", "ReduceGroup", "allreduce_", "iallreduce_", "bcast_", "allgatherv"]

@@ -13,10 +13,14 @@ order on every rank need no more than a tag per kind of exchange.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["Transport", "Request", "TransportError", "Peers"]
+if TYPE_CHECKING:
+    from halo.transport.streams import Device
+
+__all__ = ["Transport", "Reducer", "Request", "TransportError", "Peers"]
 
 Peers = list[tuple[int, torch.Tensor]]
 
@@ -53,3 +57,21 @@ class Transport(ABC):
     @abstractmethod
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
         """Post every receive, then every send; return at once with a :class:`Request`."""
+
+
+class Reducer(ABC):
+    """All-reduces tensors of one device over the ranks of one communicator, stream-ordered.
+
+    ``iallreduce_`` reads ``t`` after the work enqueued so far on the device's compute stream and
+    returns at once; the request's ``wait`` makes the compute stream wait for the sum (the host
+    need not block). Started all-reduces match by the order they were started on each rank: start
+    them in the same order everywhere. The collective functions route a tensor here when it lives
+    on ``device`` (:class:`~halo.transport.collectives.ReduceGroup`).
+    """
+
+    device: "Device"
+
+    @abstractmethod
+    def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
+        """Start the in-place all-reduce (``op``: "sum", "max" or "min") of the contiguous
+        ``t``; leave ``t`` untouched until the request's ``wait``."""

@@ -4,31 +4,38 @@ all-gather - the one home for them.
     allreduce_(stats, comm)                  # in place, sum over comm (no-op for None / 1 rank)
     req = iallreduce_(bucket, comm)          # started; compute meanwhile ...
     req.wait()                               # bucket now holds the sum
+    group = ReduceGroup(comm, NCCLTransport(comm, dev))   # device tensors reduce on the device
+    allreduce_(d_stats, group)               # the compute stream waits for the sum
     bcast_(weights, comm, root=0)
     everything = allgatherv(my_rows, comm)   # every rank's rows, in rank order
 
 Every layer that sums over ranks (BatchNorm statistics, pooling, loss counts, metrics, gradients)
-calls these, never mpi4py directly. Host (CPU) tensors go to MPI as raw bytes at their address
-with the matching MPI datatype: no numpy, no copy, no pickling. A tensor MPI has no datatype for
-(float16, bfloat16, bool) is reduced through a float64/int64 copy (exact for max/min; a sum rounds
-once, to the tensor's dtype); a non-contiguous one through a contiguous copy. Device tensors: with a
-``transport`` that has ``allreduce_`` (the device transports of :mod:`halo.transport.device`) they
-stay on the device; without one they are staged through a host copy (correct, not fast).
-``allgatherv`` moves exact copies, so a dtype MPI has no datatype for travels as bytes; device
-tensors are staged through a host copy and the result returned on their device.
+calls these, never mpi4py directly. ``comm`` is an mpi4py communicator, None (one rank), or a
+:class:`ReduceGroup`: a communicator with the :class:`~halo.transport.base.Reducer` for its
+device's tensors (NCCL, or host-staged on a communication stream: ``select.make_reducer``). A
+tensor on the reducer's device is all-reduced by it; every other tensor as follows. Host (CPU)
+tensors go to MPI as raw bytes at their address with the matching MPI datatype: no numpy, no copy,
+no pickling. A tensor MPI has no datatype for (float16, bfloat16, bool) is reduced through a
+float64/int64 copy (exact for max/min; a sum rounds once, to the tensor's dtype); a non-contiguous
+one through a contiguous copy. A device tensor without a reducer is staged through a blocking host
+copy (correct, not fast). ``bcast_`` and ``allgatherv`` (set-up and evaluation, not the training
+step) always stage device tensors through the host; ``allgatherv`` moves exact copies, so a dtype
+MPI has no datatype for travels as bytes.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from halo.transport.base import CompletedRequest, Request, TransportError
+from halo.transport.base import CompletedRequest, Reducer, Request, TransportError
 
-__all__ = ["allreduce_", "iallreduce_", "bcast_", "allgatherv", "mpi_op"]
+__all__ = ["ReduceGroup", "allreduce_", "iallreduce_", "bcast_", "allgatherv", "mpi_op",
+           "mpi_types", "raw_buffer"]
 
 _OPS = ("sum", "max", "min")
 
@@ -47,7 +54,25 @@ def mpi_op(op: str) -> Any:
     return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
 
 
-def _mpi_types() -> dict[torch.dtype, Any]:
+@dataclass(frozen=True)
+class ReduceGroup:
+    """An mpi4py communicator (or None: one rank) and the reducer of its device tensors (None:
+    every tensor goes through MPI, device tensors via host copies)."""
+
+    comm: Any
+    reducer: Optional[Reducer] = None
+
+
+def _route(comm: Any, t: torch.Tensor) -> tuple[Any, Optional[Reducer]]:
+    """(the mpi4py communicator or None, the group's reducer if ``t`` is on its device)."""
+    if not isinstance(comm, ReduceGroup):
+        return comm, None
+    r = comm.reducer
+    return comm.comm, (r if r is not None and t.device.type == r.device.type else None)
+
+
+def mpi_types() -> dict[torch.dtype, Any]:
+    """The MPI datatype of each torch dtype MPI can reduce."""
     MPI = _mpi()
     return {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int64: MPI.INT64_T,
             torch.int32: MPI.INT32_T, torch.int16: MPI.INT16_T, torch.int8: MPI.INT8_T,
@@ -55,10 +80,10 @@ def _mpi_types() -> dict[torch.dtype, Any]:
 
 
 def _direct(t: torch.Tensor) -> bool:
-    return t.is_cpu and t.is_contiguous() and t.dtype in _mpi_types()
+    return t.is_cpu and t.is_contiguous() and t.dtype in mpi_types()
 
 
-def _raw(t: torch.Tensor) -> Any:
+def raw_buffer(t: torch.Tensor) -> Any:
     """An MPI buffer over a contiguous host tensor's bytes (mpi4py >= 4: MPI.buffer, 3.x:
     MPI.memory)."""
     MPI = _mpi()
@@ -68,30 +93,36 @@ def _raw(t: torch.Tensor) -> Any:
 
 def _buffer(t: torch.Tensor) -> list[Any]:
     """``[raw buffer at t's address, MPI datatype]`` for a host tensor ``_direct`` accepts."""
-    return [_raw(t), _mpi_types()[t.dtype]]
+    return [raw_buffer(t), mpi_types()[t.dtype]]
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous host copy MPI can reduce: t's dtype where MPI has it, else float64 (float16,
     bfloat16) or int64 (bool)."""
-    dt = t.dtype if t.dtype in _mpi_types() else (
+    dt = t.dtype if t.dtype in mpi_types() else (
         torch.float64 if t.is_floating_point() else torch.int64)
     return t.detach().to("cpu", dt).contiguous()
 
 
 def _size(comm: Any) -> int:
+    comm = comm.comm if isinstance(comm, ReduceGroup) else comm
     return 1 if comm is None else int(comm.Get_size())
 
 
-def allreduce_(t: torch.Tensor, comm: Any, op: str = "sum",
-               transport: Optional[Any] = None) -> torch.Tensor:
-    """In-place all-reduce of ``t`` over ``comm``; returns ``t`` (no-op when comm is None or has
-    one rank). ``transport``: a device transport with ``allreduce_`` for device tensors."""
+def allreduce_(t: torch.Tensor, comm: Any, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce of ``t`` over ``comm`` (a communicator, None, or a
+    :class:`ReduceGroup`); returns ``t`` (no-op when comm is None or has one rank). On a
+    reducer's device the compute stream, not the host, waits for the result."""
     MPI_op = mpi_op(op)
     if _size(comm) == 1:
         return t
-    if not t.is_cpu and transport is not None and hasattr(transport, "allreduce_"):
-        transport.allreduce_(t, op)
+    comm, reducer = _route(comm, t)
+    if reducer is not None:
+        dense = t.detach().contiguous()
+        reducer.iallreduce_(dense, op).wait()
+        if dense.data_ptr() != t.data_ptr():
+            with torch.no_grad():
+                t.copy_(dense)  # on the compute stream, after the wait above
         return t
     if _direct(t):
         comm.Allreduce(_mpi().IN_PLACE, _buffer(t.detach()), op=MPI_op)
@@ -130,9 +161,10 @@ class _CopyBack(Request):
 
 
 def iallreduce_(t: torch.Tensor, comm: Any, op: str = "sum") -> Request:
-    """Start an in-place all-reduce of ``t`` over ``comm`` (``MPI_Iallreduce``); ``t`` must stay
-    untouched until the returned request's ``wait``. Host tensors MPI can type are reduced where
-    they lie; others through a host copy that ``wait`` writes back.
+    """Start an in-place all-reduce of ``t`` over ``comm`` (``MPI_Iallreduce``, or the
+    :class:`ReduceGroup`'s reducer on its device); ``t`` must stay untouched until the returned
+    request's ``wait``. Host tensors MPI can type are reduced where they lie; others through a
+    host copy that ``wait`` writes back.
 
     Non-blocking collectives match by the order they are started on each rank of ``comm``: start
     them in the same order everywhere, and keep blocking collectives on that communicator from
@@ -140,6 +172,9 @@ def iallreduce_(t: torch.Tensor, comm: Any, op: str = "sum") -> Request:
     MPI_op = mpi_op(op)
     if _size(comm) == 1:
         return CompletedRequest()
+    comm, reducer = _route(comm, t)
+    if reducer is not None:
+        return reducer.iallreduce_(t.detach(), op)
     host = t.detach() if _direct(t) else _host_copy(t)
     req = comm.Iallreduce(_mpi().IN_PLACE, _buffer(host), op=MPI_op)
     return _CopyBack(req, host, t.detach())
@@ -149,12 +184,13 @@ def bcast_(t: torch.Tensor, comm: Any, root: int = 0) -> torch.Tensor:
     """Broadcast ``t`` in place from ``root`` of ``comm``; any dtype (sent as bytes)."""
     if _size(comm) == 1:
         return t
+    comm = _route(comm, t)[0]
     byte = _mpi().BYTE
     if t.is_cpu and t.is_contiguous():
-        comm.Bcast([_raw(t.detach()), byte], root=root)
+        comm.Bcast([raw_buffer(t.detach()), byte], root=root)
         return t
     host = t.detach().to("cpu").contiguous()
-    comm.Bcast([_raw(host), byte], root=root)
+    comm.Bcast([raw_buffer(host), byte], root=root)
     with torch.no_grad():
         t.copy_(host)
     return t
@@ -172,6 +208,7 @@ def allgatherv(t: torch.Tensor, comm: Any) -> torch.Tensor:
     its MPI datatype, or as bytes for a dtype MPI lacks (bfloat16, bool, ...; a gather is exact).
     Device tensors go through a host copy.
     """
+    comm = _route(comm, t)[0]
     row = tuple(t.shape[1:])
     n = int(t.shape[0]) if t.dim() else None
     metas = [(n, row, str(t.dtype))] if _size(comm) == 1 else \
@@ -192,12 +229,12 @@ def allgatherv(t: torch.Tensor, comm: Any) -> torch.Tensor:
     if out.numel() > 0:
         host = t.detach().to("cpu").contiguous()
         width = math.prod(row)
-        if t.dtype in _mpi_types():
-            unit, per_row = _mpi_types()[t.dtype], width
+        if t.dtype in mpi_types():
+            unit, per_row = mpi_types()[t.dtype], width
         else:
             unit, per_row = _mpi().BYTE, width * t.element_size()
         counts = [k * per_row for k in rows]
         displs = [0, *itertools.accumulate(counts)][:-1]
-        comm.Allgatherv([_raw(host), counts[comm.Get_rank()], unit],
-                        [_raw(out), (counts, displs), unit])
+        comm.Allgatherv([raw_buffer(host), counts[comm.Get_rank()], unit],
+                        [raw_buffer(out), (counts, displs), unit])
     return out.to(t.device)

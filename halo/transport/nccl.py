@@ -3,7 +3,7 @@
     transport = NCCLTransport(comm, CudaDevice())       # collective: rank 0's unique id, bcast
     req = transport.start([(peer, d_send)], [(peer, d_recv)], tag=0)
     req.wait()                                          # the compute stream waits; the host not
-    transport.allreduce_(grads)                         # in place, ordered like start
+    transport.iallreduce_(grads).wait()                 # in place; also a Reducer
 
 UNVERIFIED: written without a GPU; no test has run it (tests/test_transport_gpu.py skips without
 CUDA and CuPy, and NCCL refuses two ranks on one GPU, so several ranks need several GPUs).
@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from halo.transport.base import CompletedRequest, Peers, Request, Transport, TransportError
+from halo.transport.base import (CompletedRequest, Peers, Reducer, Request, Transport,
+                                 TransportError)
 from halo.transport.streams import Device, Event, Stream
 
 __all__ = ["NCCLTransport", "StreamRequest"]
@@ -56,8 +57,9 @@ def _nccl_dtype(nccl: Any, t: torch.Tensor) -> Any:
     return getattr(nccl, name)
 
 
-class NCCLTransport(Transport):
-    """NCCL over the ranks of the mpi4py communicator ``comm`` (one GPU per rank)."""
+class NCCLTransport(Transport, Reducer):
+    """NCCL over the ranks of the mpi4py communicator ``comm`` (one GPU per rank): point-to-point
+    and all-reduce on one NCCL communicator and stream."""
 
     def __init__(self, comm: Any, device: Device) -> None:
         from cupy.cuda import nccl  # on use only
@@ -101,16 +103,16 @@ class NCCLTransport(Transport):
             nccl.groupEnd()
         return StreamRequest(self.stream.record(), self.device.compute, tensors)
 
-    def allreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
-        """In-place all-reduce on the NCCL stream; the compute stream waits for it."""
+    def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
+        """Start an in-place all-reduce on the NCCL stream; ``wait`` makes the compute stream
+        wait for it."""
         self._check(t, "the all-reduce buffer")
         nccl = self._nccl
         ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
         if op not in ops:
             raise ValueError(f"reduction op must be one of sum, max, min; got {op!r}")
+        dtype = _nccl_dtype(nccl, t)
         self._enqueue([t])
-        self.nccl_comm.allReduce(t.data_ptr(), t.data_ptr(), t.numel(), _nccl_dtype(nccl, t),
-                                 ops[op], self._handle())
-        req = StreamRequest(self.stream.record(), self.device.compute, [t])
-        req.wait()
-        return req
+        self.nccl_comm.allReduce(t.data_ptr(), t.data_ptr(), t.numel(), dtype, ops[op],
+                                 self._handle())
+        return StreamRequest(self.stream.record(), self.device.compute, [t])

@@ -4,6 +4,7 @@
     name = choose_transport("auto", "cuda", nccl=True, shared_gpu=False)   # "nccl"
     choose_transport("nccl", "cpu")                         # TransportError: needs --device cuda
     transport = make_transport("staged", comm, CudaDevice())  # the object, over one communicator
+    reducer = make_reducer("staged", comm, CudaDevice())      # its all-reduce of device tensors
 
 Pure: the caller says what the machine offers (device type, whether CuPy's NCCL imports, whether
 ranks of one node share a GPU). ``auto`` picks, for device tensors, NCCL when every rank has its
@@ -13,16 +14,19 @@ auto`` before CUDA was probed): only the names that can never work are refused.
 
 :func:`make_transport` builds the chosen transport over one communicator; each group of ranks
 (the spatial grid, a stage pair) gets its own, made by the layer that owns the communicator.
+:func:`make_reducer` builds the matching all-reduce of device tensors: NCCL's own, else
+host-staged MPI (CUDA IPC is point-to-point only; its groups reduce through staging).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from halo.transport.base import Transport, TransportError
+from halo.transport.base import Reducer, Transport, TransportError
 from halo.transport.streams import Device
 
-__all__ = ["TRANSPORTS", "DEVICE_TRANSPORTS", "choose_transport", "make_transport"]
+__all__ = ["TRANSPORTS", "DEVICE_TRANSPORTS", "choose_transport", "make_transport",
+           "make_reducer"]
 
 TRANSPORTS = ("auto", "nccl", "ipc", "staged", "mpi")
 DEVICE_TRANSPORTS = ("nccl", "ipc", "staged")
@@ -83,3 +87,25 @@ def make_transport(name: str, comm: Any, device: Optional[Device] = None) -> Tra
     from halo.transport.nccl import NCCLTransport
 
     return NCCLTransport(comm, device)
+
+
+def make_reducer(name: str, comm: Any, device: Optional[Device] = None) -> Optional[Reducer]:
+    """The all-reduce of ``device``'s tensors over ``comm`` for the resolved transport ``name``:
+    None for "mpi" (host tensors, reduced where they lie), NCCL's for "nccl" (a communicator of
+    its own: collective over ``comm``), host-staged MPI on a stream of ``device`` for "staged"
+    and "ipc"."""
+    if name == "mpi":
+        return None
+    if name not in DEVICE_TRANSPORTS:
+        raise TransportError(f"make_reducer: {name!r} is not a transport; pass one of mpi, "
+                             f"{', '.join(DEVICE_TRANSPORTS)}")
+    if device is None:
+        raise TransportError(f"make_reducer: the {name} transport reduces device tensors and "
+                             f"needs the device whose streams order its copies; pass device=")
+    if name == "nccl":
+        from halo.transport.nccl import NCCLTransport
+
+        return NCCLTransport(comm, device)
+    from halo.transport.staged_reduce import StagedReducer
+
+    return StagedReducer(comm, device)

@@ -64,9 +64,11 @@ class Stream(ABC):
 
 
 class Device(ABC):
-    """A device's compute stream, new streams and host staging memory."""
+    """A device's compute stream, new streams and host staging memory. ``type``: the
+    ``torch.device`` type its tensors have ("cuda"; "cpu" for the stand-in)."""
 
     compute: Stream
+    type: str
 
     @abstractmethod
     def new_stream(self, name: str) -> Stream:
@@ -144,6 +146,8 @@ class SimStream(Stream):
 class SimDevice(Device):
     """CPU stand-in for a GPU: its "device" tensors are CPU tensors, its streams FIFOs."""
 
+    type = "cpu"
+
     def __init__(self) -> None:
         self.streams: list[SimStream] = []
         self.compute: SimStream = self.new_stream("compute")
@@ -197,6 +201,8 @@ class _CudaStream(Stream):
 class CudaDevice(Device):
     """Streams of one CUDA device through torch. UNVERIFIED: no GPU in the session that wrote it;
     the same logic runs in the CPU suite on :class:`SimDevice`."""
+
+    type = "cuda"
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
         self.device = torch.device(device or "cuda")

@@ -4,8 +4,8 @@
     z = ReLU()(y)
     logits = Linear(32, 10)(GlobalPool("avg")(z))   # GlobalPool -> dense [batch, C]
 
-Under a ParallelContext, BatchNorm reduces over its ``stats_comm`` (spatial ranks and replicas) and
-GlobalPool over its ``spatial_comm``, so the result does not depend on where the cuts fall.
+Under a ParallelContext, BatchNorm reduces over its ``stats_group`` (spatial ranks and replicas) and
+GlobalPool over its ``spatial_group``, so the result does not depend on where the cuts fall.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class BatchNorm(nn.BatchNorm1d):
         self._pending: Optional[torch.Tensor] = None  # deferred sums since the last commit
 
     def forward(self, x: SparseTensor) -> SparseTensor:  # type: ignore[override]
-        comm = x.context.stats_comm if x.context is not None else None
+        comm = x.context.stats_group if x.context is not None else None
         pending = None
         if self.training and self.deferred:
             if self._pending is None:
@@ -128,5 +128,5 @@ class GlobalPool(nn.Module):
         return repr(self.mode)
 
     def forward(self, x: SparseTensor) -> torch.Tensor:
-        comm = x.context.spatial_comm if x.context is not None else None
+        comm = x.context.spatial_group if x.context is not None else None
         return global_pool(x.feats, x.coords, x.batch_size, self.mode, comm)

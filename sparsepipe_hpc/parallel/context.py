@@ -17,17 +17,21 @@ Communicators:
     spatial_comm  ranks of one replica and stage (the Cartesian grid); pooling, halo exchange
     stats_comm    every rank of this stage (spatial ranks x replicas); BatchNorm statistics,
                   loss normalization and gradient all-reduce
+and, for the layers' reductions, ``spatial_group`` and ``stats_group``: each communicator with the
+reducer of its device tensors (a :class:`~halo.transport.collectives.ReduceGroup`; its reducer is
+None on CPU runs, where MPI reduces host tensors where they lie).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from halo.cuts import Cuts
-from halo.transport.collectives import allgatherv, allreduce_, bcast_
+from halo.transport.base import Reducer
+from halo.transport.collectives import ReduceGroup, allgatherv, allreduce_, bcast_
 from sparsepipe_hpc.parallel.gradients import DEFAULT_BUCKET_BYTES, GradientReducer
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
 from sparsepipe_hpc.sparse import SparseTensor
@@ -41,11 +45,15 @@ class ParallelContext:
     cuts: ``"balanced"`` (voxel-count quantiles per batch) or ``"uniform"``; overlap: run the
     interior convolution while halos travel; transport: what moves halo rows (a Transport over
     the spatial grid's ranks, or a function making one from the grid's communicator; default
-    mpi4py on host buffers, see :class:`SpatialGroup`); force_spatial: run the distributed layers even on a 1x1x1 grid (benchmarks).
+    mpi4py on host buffers, see :class:`SpatialGroup`); reducer: a function making the
+    :class:`~halo.transport.base.Reducer` of device tensors over a communicator (called for the
+    spatial, statistics and gradient communicators; None: MPI, through host copies for device
+    tensors); force_spatial: run the distributed layers even on a 1x1x1 grid (benchmarks).
     """
 
     def __init__(self, comm: Any, layout: RankLayout, cuts: str = "balanced",
-                 overlap: bool = True, transport: Any = None, force_spatial: bool = False):
+                 overlap: bool = True, transport: Any = None, force_spatial: bool = False,
+                 reducer: Optional[Callable[[Any], Optional[Reducer]]] = None):
         if layout.size != comm.Get_size():
             raise LayoutError(f"layout {layout} does not match the communicator's "
                               f"{comm.Get_size()} ranks")
@@ -57,6 +65,9 @@ class ParallelContext:
         p = self.position
         self.spatial_comm = comm.Split(p.replica * layout.stages + p.stage, p.spatial)
         self.stats_comm = comm.Split(p.stage, comm.Get_rank())
+        self.make_reducer = reducer
+        self.spatial_group = self._reduce_group(self.spatial_comm)
+        self.stats_group = self._reduce_group(self.stats_comm)
         self.cuts_mode = cuts
         self.overlap = overlap
         self.spatial: Any = None  # the current batch's SpatialDomain (bound copies only)
@@ -66,6 +77,11 @@ class ParallelContext:
 
             self.group = SpatialGroup(self.spatial_comm, layout.grid, transport=transport,
                                       overlap=overlap)
+
+    def _reduce_group(self, comm: Any) -> ReduceGroup:
+        """``comm`` with a reducer from ``make_reducer`` (collective; none for one rank)."""
+        many = comm.Get_size() > 1
+        return ReduceGroup(comm, self.make_reducer(comm) if many and self.make_reducer else None)
 
     # --- who am I --------------------------------------------------------------------------------
     @property
@@ -142,7 +158,7 @@ class ParallelContext:
     # --- reductions ------------------------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce over the stage's ranks (replicas and spatial ranks)."""
-        return allreduce_(t, self.stats_comm, op)
+        return allreduce_(t, self.stats_group, op)
 
     def global_count(self, n_local: int) -> int:
         """The sum of ``n_local`` over the stage's ranks (e.g. voxels in the global batch)."""
@@ -161,7 +177,7 @@ class ParallelContext:
         for group in groups.values():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
             flat = torch.cat([g.reshape(-1) for g in grads]).contiguous()
-            allreduce_(flat, self.stats_comm)
+            allreduce_(flat, self.stats_group)
             offset = 0
             for p, g in zip(group, grads):
                 n = g.numel()
@@ -174,7 +190,7 @@ class ParallelContext:
         bucketed and started during the step's last backward (collective to construct)."""
         if isinstance(params, torch.nn.Module):
             params = list(params.parameters())
-        return GradientReducer(params, self.stats_comm, bucket_bytes)
+        return GradientReducer(params, self.stats_comm, bucket_bytes, reducer=self.make_reducer)
 
     def broadcast_parameters(self, module: torch.nn.Module) -> None:
         """Make every rank start from rank 0's parameters and buffers."""

@@ -32,12 +32,12 @@ an error, not a silent partial sum.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from halo.transport.base import Request
-from halo.transport.collectives import iallreduce_
+from halo.transport.base import Reducer, Request
+from halo.transport.collectives import ReduceGroup, iallreduce_
 
 __all__ = ["GradientReducer", "GradientReducerError", "DEFAULT_BUCKET_BYTES"]
 
@@ -60,11 +60,14 @@ class _Bucket:
 class GradientReducer:
     """Sums the gradients of ``params`` over ``comm`` in buckets of at most ``bucket_bytes``
     (a parameter larger than that gets a bucket of its own); see the module docstring.
-    ``comm``: an mpi4py communicator (None or one rank: nothing to do, no hooks). Collective
+    ``comm``: an mpi4py communicator (None or one rank: nothing to do, no hooks). ``reducer``:
+    makes the :class:`~halo.transport.base.Reducer` of device buckets from the duplicated
+    communicator (NCCL, or host-staged on a stream; None: MPI through host copies). Collective
     over ``comm`` to construct (it duplicates the communicator)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], comm: Any,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 reducer: Optional[Callable[[Any], Optional[Reducer]]] = None) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive integer; got {bucket_bytes!r}")
         unique: dict[int, torch.nn.Parameter] = {}
@@ -74,6 +77,8 @@ class GradientReducer:
         self.bucket_bytes = bucket_bytes
         self.active = comm is not None and comm.Get_size() > 1
         self.comm = comm.Dup() if self.active else None
+        self.group = ReduceGroup(self.comm, reducer(self.comm) if self.active and reducer
+                                 else None)
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)
         self._hooks: list[Any] = []
@@ -146,7 +151,7 @@ class GradientReducer:
                     part.zero_()
                 else:
                     part.copy_(p.grad.reshape(-1))
-        bucket.request = iallreduce_(bucket.buffer, self.comm)
+        bucket.request = iallreduce_(bucket.buffer, self.group)
         self._next = b + 1
 
     def finish(self) -> None:
@@ -174,6 +179,7 @@ class GradientReducer:
             h.remove()
         self._hooks.clear()
         if self.comm is not None:
+            self.group = ReduceGroup(None)  # its reducer may hold the communicator
             self.comm.Free()
             self.comm = None
             self.active = False

@@ -54,7 +54,7 @@ from sparsepipe_hpc.parallel.input import LocalBatch, read_distributed
 from sparsepipe_hpc.train.config import (TrainConfig, distributed_input, local_batch_size,
                                          resolve_layout)
 from sparsepipe_hpc.train.device import Precision, move_tensor, trainer_device
-from sparsepipe_hpc.train.transport import halo_transport, trainer_transport
+from sparsepipe_hpc.train.transport import device_comm, trainer_transport
 from sparsepipe_hpc.train.metrics import MetricsLog, format_summary
 from sparsepipe_hpc.train.evaluation import eval_text, evaluate
 from sparsepipe_hpc.train.lr_schedule import LrSchedule
@@ -88,12 +88,14 @@ class Trainer:
         self._log = log if self.is_root else None
         # --device, --precision (sparsepipe_hpc.train.device): a ConfigError on every rank when
         # CUDA is asked for and absent. --transport (halo.transport.select): likewise when a
-        # device transport is asked for without CUDA; it moves the spatial grid's halos.
+        # device transport is asked for without CUDA; it moves the spatial grid's halos, and
+        # its reducer the layers' and the gradients' all-reduces of device tensors.
         self.device, device_note = trainer_device(cfg, comm)
         self.precision = Precision(cfg.precision, self.device)
         self.transport = trainer_transport(cfg, self.device, comm)
+        make_transport, make_reducer = device_comm(self.transport, self.device)
         self.ctx = ParallelContext(comm, self.layout, cuts=cfg.cuts, overlap=cfg.overlap,
-                                   transport=halo_transport(self.transport, self.device))
+                                   transport=make_transport, reducer=make_reducer)
         if device_note:
             self._say(f"note: {device_note}")
         self.seg = cfg.task == "seg"

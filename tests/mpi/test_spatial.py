@@ -15,6 +15,7 @@ import torch
 from halo.kmap import coord_keys
 from halo.transport.mpi import MPITransport
 from halo.transport.staged import StagedTransport
+from halo.transport.staged_reduce import StagedReducer
 from halo.transport.streams import SimDevice
 from sparsepipe_hpc.nn import (BatchNorm, GlobalPool, SparseConv3d, SparseInverseConv3d,
                                SparseResNet, SparseUNet, SubMConv3d)
@@ -57,14 +58,20 @@ def rows_of(ref: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
     return found
 
 
-def run_pair(comm, grid, cuts, net, x, align, probe_seed=7, explicit=None, transport=None):
+def run_pair(comm, grid, cuts, net, x, align, probe_seed=7, explicit=None, transport=None,
+             reducer=None, bucketed=False):
     """Serial and distributed forward+backward of ``net`` on ``x``; returns what to compare.
     ``explicit``: Cuts to use instead of the context's (any positions, aligned or not);
-    ``transport``: the spatial group's (ParallelContext's argument)."""
+    ``transport``, ``reducer``: ParallelContext's arguments; ``bucketed``: gradients through
+    its GradientReducer (started in backward), else one flat all-reduce after it."""
     torch.manual_seed(0)
     serial = net().double()
     dist = copy.deepcopy(serial)
-    ctx = ParallelContext(comm, RankLayout(1, 1, grid), cuts=cuts, transport=transport)
+    ctx = ParallelContext(comm, RankLayout(1, 1, grid), cuts=cuts, transport=transport,
+                          reducer=reducer)
+    buckets = ctx.gradient_reducer(dist, 64) if bucketed else None
+    if buckets is not None:
+        buckets.arm()
     # serial oracle
     fs = x.feats.clone().requires_grad_()
     ys = serial(x.replace(feats=fs, kmaps={}))
@@ -88,7 +95,11 @@ def run_pair(comm, grid, cuts, net, x, align, probe_seed=7, explicit=None, trans
         torch.testing.assert_close(yd, ys.detach(), **TOL)
     in_rows = rows_of(x.coords, xl.coords)
     torch.testing.assert_close(fd.grad, fs.grad[in_rows], **TOL)
-    ctx.allreduce_gradients(dist)
+    if buckets is not None:
+        buckets.finish()
+        buckets.close()
+    else:
+        ctx.allreduce_gradients(dist)
     for (name, ps), pd in zip(serial.named_parameters(), dist.parameters()):
         torch.testing.assert_close(pd.grad, ps.grad, **TOL, msg=lambda m: f"{name}: {m}")
 
@@ -134,10 +145,22 @@ def staged_on_stand_in(comm):
     return StagedTransport(MPITransport(comm), SimDevice())
 
 
+class CountingReducers:
+    """Makes host-staged reducers on the stand-in device and keeps them (to count their use)."""
+
+    def __init__(self) -> None:
+        self.made: list[StagedReducer] = []
+
+    def __call__(self, comm):
+        self.made.append(StagedReducer(comm, SimDevice()))
+        return self.made[-1]
+
+
 @pytest.mark.parametrize("kind", ["random", "clustered"])
-@pytest.mark.parametrize("model", ["unet", "down_up_k3", "bn"])
+@pytest.mark.parametrize("model", ["unet", "down_up_k3", "bn", "maxpool"])
 def test_staged_transport_equals_serial(comm, model, kind):
-    """Halo rows, their adjoint and the plans' coordinates through StagedTransport (device ->
+    """Halo rows, their adjoint and the plans' coordinates through StagedTransport, and
+    BatchNorm statistics, pooled sums and bucketed gradients through StagedReducer (device ->
     staging -> MPI -> staging -> device, ordered by stream events; here on the stand-in
     device, on a GPU the same code on CudaDevice): the serial result, on every grid."""
     if model == "unet":
@@ -146,7 +169,11 @@ def test_staged_transport_equals_serial(comm, model, kind):
         net, align = LAYERS[model]
     x = make_cloud(3, kind)
     for grid in grids_for(comm):
-        run_pair(comm, grid, "balanced", net, x, align, transport=staged_on_stand_in)
+        reducers = CountingReducers()
+        run_pair(comm, grid, "balanced", net, x, align, transport=staged_on_stand_in,
+                 reducer=reducers, bucketed=True)
+        if comm.size > 1:  # statistics / pooling (spatial) group and the gradient buckets
+            assert sum(r.pool.allocated for r in reducers.made) > 0, "no reduction staged"
 
 
 def odd_cuts(grid, extent, offset):

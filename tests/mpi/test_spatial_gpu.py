@@ -1,9 +1,10 @@
-"""Spatial parallelism on CUDA tensors under real mpirun: halos through the device transports.
+"""Spatial parallelism on CUDA tensors under real mpirun: halos and reductions on the device.
 
 Every rank computes on a GPU (ranks share one when there are fewer GPUs than ranks, as on the
 one-H100 machines here) and its spatial grid's halos move through StagedTransport (device ->
 pinned host -> MPI -> pinned host -> device, on a communication stream) or IPCTransport (CUDA IPC,
-CuPy); the serial float64 run on the CPU is the oracle, as in test_spatial.py. NCCL is not run
+CuPy); BatchNorm statistics and gradient buckets through StagedReducer (the reducer of both); the
+serial float64 run on the CPU is the oracle, as in test_spatial.py. NCCL is not run
 here: it refuses two ranks on one GPU (tests/mpi/test_nccl.py covers it with a GPU per rank).
 Skipped, with the reason, without CUDA (the CPU suite runs the same code on the stand-in device:
 test_spatial.py::test_staged_transport_equals_serial).
@@ -25,14 +26,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: device transports run on GPUs only")
 
 
-def transport_maker(name: str):
-    from halo.transport.select import make_transport
-    from halo.transport.streams import CudaDevice
+def device_comm(name: str):
+    """(transport maker, reducer maker) for ``name`` on this rank's GPU, as the trainer makes."""
+    from sparsepipe_hpc.train.transport import device_comm as makers
 
     if name == "ipc" and importlib.util.find_spec("cupy") is None:
         pytest.skip("CuPy is not installed (the gpu extra): no CUDA IPC")
-    streams = CudaDevice()
-    return lambda comm: make_transport(name, comm, streams)
+    return makers(name, torch.device("cuda", torch.cuda.current_device()))
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +54,9 @@ def test_unet_on_cuda_equals_serial(comm, name, engine):
         dist = SparseUNet(3, 5, width=4, depth=2, engine=engine)
         dist.load_state_dict(serial.state_dict())
         dist.to("cuda", dtype)
-        ctx = ParallelContext(comm, RankLayout(1, 1, grid), transport=transport_maker(name))
+        make_transport, make_reducer = device_comm(name)
+        ctx = ParallelContext(comm, RankLayout(1, 1, grid), transport=make_transport,
+                              reducer=make_reducer)
         fs = x.feats.clone().requires_grad_()
         ys = serial(x.replace(feats=fs, kmaps={}))
         xl, = ctx.distribute(x.replace(kmaps={}), align=4)
@@ -69,7 +71,29 @@ def test_unet_on_cuda_equals_serial(comm, name, engine):
                                    **tol)
         in_rows = rows_of(x.coords, xl.coords)
         torch.testing.assert_close(fd.grad.cpu().double(), fs.grad[in_rows], **tol)
-        ctx.allreduce_gradients(dist)
+        buckets = ctx.gradient_reducer(dist, 256)
+        buckets.finish()  # the bucketed path (one-shot here), through the reducer
+        buckets.close()
         for (n, ps), pd in zip(serial.named_parameters(), dist.parameters()):
             torch.testing.assert_close(pd.grad.cpu().double(), ps.grad, **tol,
                                        msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+def test_staged_reducer_on_cuda(comm, dtype):
+    from halo.transport.staged_reduce import StagedReducer
+    from halo.transport.streams import CudaDevice
+
+    red = StagedReducer(comm, CudaDevice())
+    base = torch.arange(64, device="cuda") % 16  # sums stay exact in bfloat16 (< 256)
+    reqs, ts = [], []
+    for k in range(3):  # three in flight, waited for in reverse
+        ts.append((base * (comm.rank + 1) + k).to(dtype))
+        reqs.append(red.iallreduce_(ts[-1]))
+    for req in reversed(reqs):
+        req.wait()
+    torch.cuda.current_stream().synchronize()
+    total = comm.size * (comm.size + 1) // 2
+    for k, t in enumerate(ts):
+        want = (base * total + k * comm.size).to(dtype)
+        assert torch.equal(t, want), (k, t, want)

@@ -44,14 +44,17 @@ def test_device_transport_without_cuda_is_a_config_error_on_every_rank(comm, sha
         Trainer(cfg, comm, log=None)
 
 
-def test_the_trainer_hands_its_halo_transport_to_the_spatial_grid(comm, shared, monkeypatch):
-    """What ``halo_transport`` makes moves the grid's halo rows and plan coordinates: host
-    staging ordered by stream events (the path of --device cuda --transport staged, here on the
-    CPU stand-in device) trains the same losses as mpi4py on host tensors."""
+def test_the_trainer_hands_its_transport_and_reducer_to_the_parallel_context(comm, shared,
+                                                                             monkeypatch):
+    """What ``device_comm`` makes moves the grid's halo rows and plan coordinates, and reduces
+    BatchNorm statistics, pooled sums and gradient buckets: host staging ordered by stream events
+    (the path of --device cuda --transport staged, here on the CPU stand-in device) trains the
+    same losses as mpi4py on host tensors."""
     if comm.size < 2:
         pytest.skip("a spatial grid needs 2+ ranks")
     from halo.transport.mpi import MPITransport
     from halo.transport.staged import StagedTransport
+    from halo.transport.staged_reduce import StagedReducer
     from halo.transport.streams import SimDevice
     from sparsepipe_hpc.train import loop
 
@@ -59,18 +62,30 @@ def test_the_trainer_hands_its_halo_transport_to_the_spatial_grid(comm, shared, 
     plain = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / "run-mpi"))), comm,
                     log=None).run()
     made: list[StagedTransport] = []
+    reducers: list[StagedReducer] = []
 
     def staged_on_stand_in(name, device):
-        def make(grid_comm):
-            made.append(StagedTransport(MPITransport(grid_comm), SimDevice()))
-            return made[-1]
-        return make
+        dev = SimDevice()
 
-    monkeypatch.setattr(loop, "halo_transport", staged_on_stand_in)
+        def transport(grid_comm):
+            made.append(StagedTransport(MPITransport(grid_comm), dev))
+            return made[-1]
+
+        def reducer(group_comm):
+            reducers.append(StagedReducer(group_comm, dev))
+            return reducers[-1]
+        return transport, reducer
+
+    monkeypatch.setattr(loop, "device_comm", staged_on_stand_in)
     t = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / "run-staged"))), comm,
                 log=None)
     assert len(made) == 1 and t.ctx.group.transport is made[0]
+    # the spatial and statistics groups, and the gradient buckets' duplicate communicator
+    assert t.ctx.stats_group.reducer in reducers and t.ctx.spatial_group.reducer in reducers
     staged = t.run()
     assert comm.allreduce(made[0].pool.allocated) > 0, "no halo went through the transport"
+    assert t.reducer is not None and t.reducer.group.reducer in reducers
+    for r in (t.ctx.stats_group.reducer, t.reducer.group.reducer):
+        assert r.pool.allocated > 0, "a reduction skipped its reducer"
     assert staged["train"]["loss"] == pytest.approx(plain["train"]["loss"], rel=1e-6)
     assert staged["eval"]["miou"] == pytest.approx(plain["eval"]["miou"], rel=1e-6)
