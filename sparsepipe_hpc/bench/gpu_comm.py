@@ -11,10 +11,10 @@ Sections (``--sections``, default all):
            size, CUDA-synchronized, median over ``--repeats``. Device transports only: skipped
            (and said so) with ``--device cpu``.
   overlap  step time of the distributed U-Net (forward + backward, grid n x 1 x 1) with overlap
-           on and off (``ParallelContext(overlap=...)``), without and with ``--delay-ms`` injected
-           per halo exchange (DelayedTransport over the chosen transport, halo tags only);
-           hidden fraction = 1 - (T_on(d) - T_on(0)) / (T_off(d) - T_off(0)). Target on a GPU:
-           >= 0.8. See :mod:`._gpu_comm_steps` for how the delay acts on a device transport.
+           on and off (``ParallelContext(overlap=...)``), without a delay and with each of
+           ``--delay-ms`` injected per halo exchange (DelayedTransport over the chosen transport,
+           halo tags only); per delay d, hidden fraction = 1 - (T_on(d) - T_on(0)) /
+           (T_off(d) - T_off(0)). Target on a GPU: >= 0.8. See :mod:`._gpu_comm_steps` for how the delay acts on a device transport.
   ranks    the distributed step on all n ranks versus the plain U-Net on one rank; with the
            ranks sharing one GPU the ratio is about cost, not speed-up (the JSON says which).
 
@@ -41,6 +41,9 @@ import torch
 __all__ = ["main", "build_parser", "device_transports", "sizes_section", "SECTIONS"]
 
 SECTIONS = ("sizes", "overlap", "ranks")
+# A GPU's interior convolution per layer takes a fraction of a millisecond at the default scene:
+# the delays a GPU run tries bracket it (the hidden share falls once a delay outgrows it).
+DEFAULT_DELAYS_MS = {"cuda": [0.25, 1.0], "cpu": [20.0]}
 SIZES_SKIPPED_CPU = ("--device cpu: the sizes section times device transports (staged, ipc, "
                      "nccl) on CUDA tensors; run it with --device cuda on a GPU machine")
 
@@ -116,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="halo transport of overlap/ranks (default staged on cuda, mpi on cpu)")
     a("--max-bytes", type=int, default=64 << 20, help="sizes: largest message")
     a("--repeats", type=int, default=10, help="timed repeats per figure (median)")
-    a("--delay-ms", type=float, help="overlap: injected per-halo-exchange delay "
-      "(default 1 on cuda, 20 on cpu)")
+    a("--delay-ms", type=float, nargs="+", help="overlap: injected per-halo-exchange delay(s) "
+      f"(default {DEFAULT_DELAYS_MS['cuda']} on cuda, {DEFAULT_DELAYS_MS['cpu']} on cpu)")
     a("--voxel-size", type=float, default=0.03, help="scene: metres per voxel")
     a("--points", type=int, default=1_000_000, help="scene: points of the synthetic room")
     a("--width", type=int, default=16)
@@ -143,73 +146,37 @@ def _resolve_transport(p: argparse.ArgumentParser, args: Any, ranks_per_gpu: int
         raise  # unreachable: p.error exits
 
 
-def main(argv: list[str]) -> None:
-    p = build_parser()
-    args = p.parse_args(argv)
-    sections = _sections(p, args.sections)
-    for flag in ("repeats", "points", "width", "depth", "trace_steps", "max_bytes"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} is {getattr(args, flag)}; it must be >= 1")
-    if args.delay_ms is not None and args.delay_ms <= 0:
-        p.error(f"--delay-ms is {args.delay_ms}; it must be > 0 (the delay the overlap hides)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench gpu-comm: no CUDA device here (torch.cuda.is_available() is False); it "
-                 "measures device transports: run it on a GPU machine, or pass --device cpu "
-                 "to check the overlap and ranks code path on CPU tensors")
-    from mpi4py import MPI
+def _say_overlap(say: Callable[..., None], ov: dict[str, Any]) -> None:
+    for k, row in ov["variants"].items():
+        say(f"overlap {k:26s} step {row['median_s'] * 1e3:9.1f} ms, exposed wait "
+            f"{row['exposed_wait_s'] * 1e3:8.1f} ms, {row['halo_exchanges_per_step']:g} "
+            f"halo exchanges")
+    say(f"overlap without delay: {ov['without_delay']['saved_s'] * 1e3:.1f} ms saved per step")
+    for d in ov["delays"]:
+        frac = d["hidden_fraction"]
+        say(f"overlap delay {d['delay_s'] * 1e3:g} ms: {d['injected_s_per_step'] * 1e3:.1f} ms "
+            f"injected per step, {d['added_s_no_overlap'] * 1e3:.1f} ms added without overlap, "
+            f"{d['added_s_overlap'] * 1e3:.1f} ms with; hidden fraction "
+            + (f"{frac:.2f}" if frac is not None else f"n/a ({d['note']})")
+            + f" (target {ov['target_hidden_fraction']})")
 
-    from launch.env import detect
+
+def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.device,
+                   streams: Any, name: str, result: dict[str, Any],
+                   say: Callable[..., None]) -> None:
+    """overlap, ranks and the trace: the distributed U-Net's steps on one synthetic room."""
     from sparsepipe_hpc.bench import _gpu_comm_steps as steps
-    from sparsepipe_hpc.bench.common import environment, synthetic_room, write_json
+    from sparsepipe_hpc.bench.common import synthetic_room
     from sparsepipe_hpc.nn import SparseUNet
 
-    comm = MPI.COMM_WORLD
-    n, rank = comm.Get_size(), comm.Get_rank()
-    say: Callable[..., None] = print if rank == 0 else (lambda *a, **k: None)
-    device = torch.device("cpu")
-    streams: Any = None
-    if args.device == "cuda":
-        from launch.device import bind_gpu
-        from halo.transport.streams import CudaDevice
-
-        device = torch.device("cuda", bind_gpu(detect(comm)) or 0)
-        streams = CudaDevice(device)
-    else:
-        torch.set_num_threads(1)
-    per_gpu = steps.ranks_per_device(comm, device)
-    name = _resolve_transport(p, args, per_gpu if device.type == "cuda" else 1)
-    delay = (args.delay_ms if args.delay_ms is not None
-             else 1.0 if device.type == "cuda" else 20.0) / 1e3
-    result: dict[str, Any] = {
-        "benchmark": "gpu-comm", "device": str(device), "world_size": n, "transport": name,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "sections": sections, "env": environment(comm),
-        "figures": "GPU" if device.type == "cuda" else "CPU (say nothing about a GPU)"}
-
-    if "sizes" in sections:
-        if device.type != "cuda":
-            result["sizes"] = {"skipped": SIZES_SKIPPED_CPU}
-            say(f"sizes: skipped: {SIZES_SKIPPED_CPU}")
-        else:
-            sz = result["sizes"] = sizes_section(comm, device_transports(per_gpu), streams,
-                                                 args.max_bytes, args.repeats)
-            for row in sz["rows"]:
-                say(f"sizes {row['transport']:<7} {row['bytes']:>10} B "
-                    f"{row['median_s'] * 1e6:10.1f} us")
-
-    for sec in ("overlap", "ranks"):
-        if sec in sections and n < 2:
-            result[sec] = {"skipped": f"{n} rank: needs >= 2 (mpirun -n 2 ...)"}
-            say(f"{sec}: skipped: {result[sec]['skipped']}")
-    if not args.trace and not ({"overlap", "ranks"} & set(sections) and n >= 2):
-        if rank == 0:
-            write_json(args.json, result)
-        return
+    n = comm.Get_size()
     x = synthetic_room(voxel_size=args.voxel_size, points=args.points)
     x = x.replace(coords=x.coords.to(device), feats=x.feats.to(device))
     align = 2 ** args.depth
     result["scene"] = {"voxels": x.num_voxels, "spatial_shape": list(x.spatial_shape),
                        "voxel_size": args.voxel_size, "width": args.width, "depth": args.depth}
+    say(f"room: {x.num_voxels} voxels, U-Net width {args.width} depth {args.depth}, {n} ranks "
+        f"on {device}, transport {name}")
 
     def unet() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -219,18 +186,10 @@ def main(argv: list[str]) -> None:
         return steps.halo_factory(name, streams, d)
 
     if "overlap" in sections and n >= 2:
-        ov = result["overlap"] = steps.overlap_section(comm, x, unet, device, factory, delay,
-                                                       args.repeats, align)
-        for k, row in ov["variants"].items():
-            say(f"overlap {k:26s} step {row['median_s'] * 1e3:9.1f} ms, exposed wait "
-                f"{row['exposed_wait_s'] * 1e3:8.1f} ms, {row['halo_exchanges_per_step']:g} "
-                f"halo exchanges")
-        frac = ov["hidden_fraction"]
-        say(f"overlap: {ov['injected_s_per_step'] * 1e3:.1f} ms injected per step, "
-            f"{ov['added_s_no_overlap'] * 1e3:.1f} ms added without overlap, "
-            f"{ov['added_s_overlap'] * 1e3:.1f} ms with; hidden fraction "
-            + (f"{frac:.2f}" if frac is not None else f"n/a ({ov['note']})")
-            + f" (target {ov['target_hidden_fraction']})")
+        delays = args.delay_ms or (DEFAULT_DELAYS_MS[device.type])
+        result["overlap"] = steps.overlap_section(comm, x, unet, device, factory,
+                                                  [d / 1e3 for d in delays], args.repeats, align)
+        _say_overlap(say, result["overlap"])
     if "ranks" in sections and n >= 2:
         rk = result["ranks"] = steps.ranks_section(comm, x, unet, device, factory(0.0),
                                                    args.repeats, align)
@@ -240,7 +199,64 @@ def main(argv: list[str]) -> None:
     if args.trace:
         path = steps.write_traces(comm, x, unet, device, factory(0.0), args.trace_steps, align,
                                   args.trace)
-        result["trace"] = [str(p) for p in comm.gather(path) or []]
-        say(f"trace: {', '.join(result['trace'])}")
+        result["trace"] = comm.gather(path)
+        say(f"trace: {', '.join(result['trace'] or [])}")
+
+
+def main(argv: list[str]) -> None:
+    p = build_parser()
+    args = p.parse_args(argv)
+    sections = _sections(p, args.sections)
+    for flag in ("repeats", "points", "width", "depth", "trace_steps", "max_bytes"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} is {getattr(args, flag)}; it must be >= 1")
+    for d in args.delay_ms or []:
+        if not d > 0:
+            p.error(f"--delay-ms {d}: each delay must be > 0 ms (the delay overlap hides)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench gpu-comm: no CUDA device here (torch.cuda.is_available() is False); it "
+                 "measures device transports: run it on a GPU machine, or pass --device cpu "
+                 "to check the overlap and ranks code path on CPU tensors")
+    from mpi4py import MPI
+
+    from sparsepipe_hpc.bench._gpu_comm_steps import ranks_per_device
+    from sparsepipe_hpc.bench.common import environment, write_json
+
+    comm = MPI.COMM_WORLD
+    n, rank = comm.Get_size(), comm.Get_rank()
+    say: Callable[..., None] = print if rank == 0 else (lambda *a, **k: None)
+    device, streams = torch.device("cpu"), None
+    if args.device == "cuda":
+        from halo.transport.streams import CudaDevice
+        from launch.device import bind_gpu
+        from launch.env import detect
+
+        device = torch.device("cuda", bind_gpu(detect(comm)) or 0)
+        streams = CudaDevice(device)
+    else:
+        torch.set_num_threads(1)
+    per_device = ranks_per_device(comm, device)
+    name = _resolve_transport(p, args, per_device if device.type == "cuda" else 1)
+    result: dict[str, Any] = {
+        "benchmark": "gpu-comm", "device": str(device), "world_size": n, "transport": name,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "sections": sections, "env": environment(comm),
+        "figures": "GPU" if device.type == "cuda" else "CPU (say nothing about a GPU)"}
+    if "sizes" in sections:
+        if device.type != "cuda":
+            result["sizes"] = {"skipped": SIZES_SKIPPED_CPU}
+            say(f"sizes: skipped: {SIZES_SKIPPED_CPU}")
+        else:
+            sz = result["sizes"] = sizes_section(comm, device_transports(per_device), streams,
+                                                 args.max_bytes, args.repeats)
+            for row in sz["rows"]:
+                say(f"sizes {row['transport']:<7} {row['bytes']:>10} B "
+                    f"{row['median_s'] * 1e6:10.1f} us")
+    for sec in ("overlap", "ranks"):
+        if sec in sections and n < 2:
+            result[sec] = {"skipped": f"{n} rank: needs >= 2 (mpirun -n 2 ...)"}
+            say(f"{sec}: skipped: {result[sec]['skipped']}")
+    if args.trace or ({"overlap", "ranks"} & set(sections) and n >= 2):
+        _step_sections(args, sections, comm, device, streams, name, result, say)
     if rank == 0:
         write_json(args.json, result)
