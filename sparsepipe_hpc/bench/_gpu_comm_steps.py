@@ -15,8 +15,11 @@ UNVERIFIED (written without a GPU).
 
 The injected delay (:class:`~halo.transport.delay.DelayedTransport`, halo tags only) holds each
 halo exchange's ``wait`` on the host until ``d`` seconds after its ``start``: what the caller
-enqueued or computed in between (the interior convolution, with overlap on) hides it. Over a
-device transport the GPU keeps running work queued before the wait, in both modes; the
+enqueued or computed in between (the interior convolution, with overlap on) hides it. Over the
+staged transport the host also waits, in ``wait``, for the send's device-to-host copy, which
+follows everything enqueued before ``start``: without overlap the GPU then idles through the
+delay, with overlap it runs the interior convolution enqueued after ``start``. Over ipc/nccl the
+host never waits for the GPU, which may run queued work through the delay in both modes; the
 difference between the modes is what overlap adds.
 """
 

@@ -6,15 +6,16 @@
 
 Sections (``--sections``, default all):
 
-  sizes    per device transport (staged always; ipc with CuPy; nccl with CuPy and one GPU per
-           rank), a ring exchange of one device tensor (to rank+1, from rank-1) versus message
-           size, CUDA-synchronized, median over ``--repeats``. Device transports only: skipped
-           (and said so) with ``--device cpu``.
+  sizes    per device transport (staged always; ipc with CuPy on one node; nccl with CuPy
+           and one GPU per rank), a ring exchange of one device tensor (to rank+1, from
+           rank-1) versus message size, CUDA-synchronized, median over ``--repeats``. Device
+           transports only: skipped (and said so) with ``--device cpu``.
   overlap  step time of the distributed U-Net (forward + backward, grid n x 1 x 1) with overlap
            on and off (``ParallelContext(overlap=...)``), without a delay and with each of
            ``--delay-ms`` injected per halo exchange (DelayedTransport over the chosen transport,
            halo tags only); per delay d, hidden fraction = 1 - (T_on(d) - T_on(0)) /
-           (T_off(d) - T_off(0)). Target on a GPU: >= 0.8. See :mod:`._gpu_comm_steps` for how the delay acts on a device transport.
+           (T_off(d) - T_off(0)). Target on a GPU: >= 0.8. :mod:`._gpu_comm_steps` says how the
+           delay acts on a device transport.
   ranks    the distributed step on all n ranks versus the plain U-Net on one rank; with the
            ranks sharing one GPU the ratio is about cost, not speed-up (the JSON says which).
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import socket
 import statistics
 import sys
 import time
@@ -56,12 +58,13 @@ def _has_nccl() -> bool:
     return True
 
 
-def device_transports(ranks_per_gpu: int) -> list[str]:
-    """The device transports this machine offers: staged always; ipc with CuPy; nccl with CuPy's
-    NCCL and one GPU per rank (NCCL refuses two ranks on one GPU)."""
+def device_transports(ranks_per_gpu: int, one_node: bool) -> list[str]:
+    """The device transports this job can use: staged always; ipc with CuPy and every rank on
+    one node; nccl with CuPy's NCCL and one GPU per rank (NCCL refuses two ranks on one GPU)."""
     names = ["staged"]
     if importlib.util.find_spec("cupy") is not None:
-        names.append("ipc")
+        if one_node:
+            names.append("ipc")
         if ranks_per_gpu == 1 and _has_nccl():
             names.append("nccl")
     return names
@@ -247,8 +250,9 @@ def main(argv: list[str]) -> None:
             result["sizes"] = {"skipped": SIZES_SKIPPED_CPU}
             say(f"sizes: skipped: {SIZES_SKIPPED_CPU}")
         else:
-            sz = result["sizes"] = sizes_section(comm, device_transports(per_device), streams,
-                                                 args.max_bytes, args.repeats)
+            one_node = len(set(comm.allgather(socket.gethostname()))) == 1
+            sz = result["sizes"] = sizes_section(comm, device_transports(per_device, one_node),
+                                                 streams, args.max_bytes, args.repeats)
             for row in sz["rows"]:
                 say(f"sizes {row['transport']:<7} {row['bytes']:>10} B "
                     f"{row['median_s'] * 1e6:10.1f} us")
