@@ -1,0 +1,263 @@
+"""Step-time measurements of ``bench gpu-comm``: overlap hidden fraction, n ranks versus 1, trace.
+
+    make = halo_factory("staged", CudaDevice(), delay_s=0.002)   # comm -> delayed transport
+    ov = overlap_section(MPI.COMM_WORLD, x, unet, device,
+                         lambda d: halo_factory("staged", streams, d), [0.002], repeats=5, align=16)
+    ov["delays"][0]["hidden_fraction"]      # 1 - (T_on(d) - T_on(0)) / (T_off(d) - T_off(0))
+
+Every figure is the step time of the distributed U-Net's forward + backward (kernel maps, cuts and
+halo plans included, as in training) on a grid of n x 1 x 1 ranks, the slowest rank's time,
+median over ``repeats`` after a warm-up, the variants timed in turn within each repeat so that a
+drift in the machine's load hits all of them alike. On CUDA each timed step is bracketed by
+``torch.cuda.synchronize()``, so queued kernels count. The same code runs on CPU tensors with the
+mpi4py transport (``--device cpu``), which is how the CPU suite checks it; on CUDA it is
+UNVERIFIED (written without a GPU).
+
+The injected delay (:class:`~halo.transport.delay.DelayedTransport`, halo tags only) holds each
+halo exchange's ``wait`` on the host until ``d`` seconds after its ``start``: what the caller
+enqueued or computed in between (the interior convolution, with overlap on) hides it. Over the
+staged transport the host also waits, in ``wait``, for the send's device-to-host copy, which
+follows everything enqueued before ``start``: without overlap the GPU then idles through the
+delay, with overlap it runs the interior convolution enqueued after ``start``. Over ipc/nccl the
+host never waits for the GPU, which may run queued work through the delay in both modes; the
+difference between the modes is what overlap adds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from halo.transport.base import Transport
+from sparsepipe_hpc.sparse import SparseTensor
+
+__all__ = ["halo_factory", "time_side_by_side", "hidden_fraction", "overlap_section",
+           "ranks_note", "ranks_section", "write_traces"]
+
+Factory = Callable[[Any], Transport]
+
+
+def halo_factory(name: str, streams: Any, delay_s: float) -> Factory:
+    """comm -> transport ``name`` over comm (on ``streams``, a Device, for device transports)
+    with every halo exchange held back ``delay_s`` from its start (plans' exchanges are not)."""
+    from halo.exchange import EXCHANGE_TAG
+    from halo.transport.delay import DelayedTransport
+    from halo.transport.select import make_transport
+
+    return lambda comm: DelayedTransport(make_transport(name, comm, streams), delay_s,
+                                         tags=(EXCHANGE_TAG, EXCHANGE_TAG + 1))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _idle_barrier(comm: Any) -> None:
+    """A barrier that sleeps instead of spinning a core (a waiting rank must not slow a lone
+    rank's timed step on a shared CPU)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(5e-4)
+
+
+def _timed(comm: Any, fn: Callable[[], Any], device: torch.device, solo: bool) -> float:
+    """Seconds of ``fn`` on the slowest rank; ``solo``: rank 0 alone runs it, the others idle."""
+    from mpi4py import MPI
+
+    dt = 0.0
+    if not solo:
+        comm.Barrier()
+    if not solo or comm.Get_rank() == 0:
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        dt = time.perf_counter() - t
+    if solo:
+        _idle_barrier(comm)
+    return float(comm.allreduce(dt, op=MPI.MAX))
+
+
+def time_side_by_side(comm: Any, steps: dict[str, tuple[Callable[[], Any], bool]],
+                      device: torch.device, repeats: int, warmup: int = 1,
+                      between: Optional[Callable[[], None]] = None) -> dict[str, dict[str, Any]]:
+    """Median and all step times of each ``name: (fn, solo)``, the steps run in turn in each
+    repeat (collective over ``comm``). ``between``: called once after the warm-up."""
+    for _ in range(warmup):
+        for fn, solo in steps.values():
+            _timed(comm, fn, device, solo)
+    if between is not None:
+        between()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, (fn, solo) in steps.items():
+            times[name].append(_timed(comm, fn, device, solo))
+    return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "all_s": ts}
+            for name, ts in times.items()}
+
+
+def hidden_fraction(on0: float, on_d: float, off0: float, off_d: float) -> Optional[float]:
+    """1 - (T_on(d) - T_on(0)) / (T_off(d) - T_off(0)): the share of the injected delay that
+    overlap keeps out of the step time; None when the delay did not lengthen the step without
+    overlap (noise larger than the delay: nothing to divide by)."""
+    added_off = off_d - off0
+    if added_off <= 0:
+        return None
+    return 1.0 - (on_d - on0) / added_off
+
+
+def _key(overlap: bool, delay_s: float) -> str:
+    return f"{'overlap' if overlap else 'no_overlap'}_delay{delay_s * 1e3:g}ms"
+
+
+def _wait_fraction(on: dict[str, Any], off: dict[str, Any]) -> Optional[float]:
+    """1 - exposed wait with overlap / without (None when nothing waited without overlap)."""
+    return 1.0 - on["exposed_wait_s"] / off["exposed_wait_s"] if off["exposed_wait_s"] > 0 else None
+
+
+def overlap_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Module],
+                    device: torch.device, factory: Callable[[float], Factory],
+                    delays_s: list[float], repeats: int, align: int) -> dict[str, Any]:
+    """Step times with overlap on/off, without and with each of ``delays_s`` per halo exchange,
+    and the hidden fraction per delay (collective over ``comm``, which has >= 2 ranks)."""
+    from mpi4py import MPI
+
+    from sparsepipe_hpc.bench.spatial import step_fn
+    from sparsepipe_hpc.parallel.context import ParallelContext
+    from sparsepipe_hpc.parallel.layout import RankLayout
+
+    n = comm.Get_size()
+    net = make_net()  # one model for all variants: they differ only in the context
+    ctxs, steps = {}, {}
+    for d in [0.0, *delays_s]:
+        for overlap in (True, False):
+            ctx = ParallelContext(comm, RankLayout(1, 1, (n, 1, 1)), overlap=overlap,
+                                  transport=factory(d))
+            ctxs[_key(overlap, d)] = ctx
+            steps[_key(overlap, d)] = (step_fn(net, x, ctx, align), False)
+    start: dict[str, int] = {}
+
+    def reset() -> None:  # count the timed steps only
+        for k, ctx in ctxs.items():
+            ctx.group.exposed_wait_s = 0.0
+            start[k] = ctx.group.transport.delayed
+
+    t = time_side_by_side(comm, steps, device, repeats, between=reset)
+    rows: dict[str, Any] = {}
+    for k, ctx in ctxs.items():
+        per_step = (ctx.group.transport.delayed - start[k]) / repeats
+        rows[k] = {**t[k], "exposed_wait_s": comm.allreduce(ctx.group.exposed_wait_s / repeats,
+                                                            op=MPI.MAX),
+                   "halo_exchanges_per_step": comm.allreduce(per_step, op=MPI.MAX)}
+    on0, off0 = rows[_key(True, 0.0)], rows[_key(False, 0.0)]
+    out: dict[str, Any] = {
+        "grid": [n, 1, 1], "variants": rows, "target_hidden_fraction": 0.8,
+        "without_delay": {"saved_s": off0["median_s"] - on0["median_s"],
+                          "hidden_fraction_of_wait": _wait_fraction(on0, off0)},
+        "delays": []}
+    for d in delays_s:
+        on, off = rows[_key(True, d)], rows[_key(False, d)]
+        frac = hidden_fraction(on0["median_s"], on["median_s"], off0["median_s"],
+                               off["median_s"])
+        row = {"delay_s": d, "injected_s_per_step": off["halo_exchanges_per_step"] * d,
+               "added_s_no_overlap": off["median_s"] - off0["median_s"],
+               "added_s_overlap": on["median_s"] - on0["median_s"],
+               "hidden_fraction": frac, "hidden_fraction_of_wait": _wait_fraction(on, off)}
+        if frac is None:
+            row["note"] = ("the injected delay did not lengthen the step without overlap (noise "
+                           "is larger than it): pass a larger --delay-ms or more --repeats")
+        out["delays"].append(row)
+    return out
+
+
+def ranks_note(device_type: str, ranks: int, ranks_per_device: int, cores: int) -> tuple[bool, str]:
+    """(shared, what the n-rank / 1-rank ratio means). ``ranks_per_device``: ranks on the most
+    crowded GPU (cuda) or node (cpu); ``cores``: a CPU rank's usable cores."""
+    caveat = "about cost, not speed-up"
+    if device_type == "cuda":
+        if ranks_per_device > 1:
+            return True, (f"{ranks_per_device} ranks share one GPU: the {ranks}-rank / 1-rank "
+                          f"step-time ratio is {caveat} (what splitting the sample over ranks "
+                          f"costs when their kernels and copies compete for the same device); "
+                          f"a speed-up needs one GPU per rank")
+        return False, (f"each rank has a GPU of its own: 1 / ratio is the {ranks}-rank "
+                       f"strong-scaling speed-up")
+    shared = ranks_per_device > cores
+    where = (f"{ranks_per_device} ranks share {cores} core(s)" if shared
+             else f"each rank has a core of its own ({cores} usable, one thread per rank)")
+    return shared, (f"CPU figures (--device cpu): {where}, so the ratio is "
+                     f"{caveat if shared else 'a CPU strong-scaling cost (1 / ratio: speed-up)'}"
+                     f"; on a GPU machine with the ranks sharing one GPU the ratio is {caveat}")
+
+
+def ranks_per_device(comm: Any, device: torch.device) -> int:
+    """Ranks on the most crowded GPU (cuda) or node (cpu) of the job (collective)."""
+    if device.type == "cuda":
+        from launch.device import physical_gpu
+
+        where = (socket.gethostname(), physical_gpu(torch.cuda.current_device()))
+    else:
+        where = (socket.gethostname(), "cpu")
+    return max(Counter(comm.allgather(where)).values())
+
+
+def ranks_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Module],
+                  device: torch.device, factory: Factory, repeats: int, align: int
+                  ) -> dict[str, Any]:
+    """The distributed step on all n ranks (grid n x 1 x 1, overlap on) versus the plain U-Net
+    on rank 0 alone while the others sleep (collective over ``comm``)."""
+    from launch.env import available_cores
+    from sparsepipe_hpc.bench.spatial import step_fn
+    from sparsepipe_hpc.parallel.context import ParallelContext
+    from sparsepipe_hpc.parallel.layout import RankLayout
+
+    n = comm.Get_size()
+    ctx = ParallelContext(comm, RankLayout(1, 1, (n, 1, 1)), overlap=True, transport=factory)
+    one = step_fn(make_net(), x) if comm.Get_rank() == 0 else (lambda: None)
+    t = time_side_by_side(comm, {"one_rank": (one, True),
+                                 f"{n}_ranks": (step_fn(make_net(), x, ctx, align), False)},
+                          device, repeats)
+    shared, note = ranks_note(device.type, n, ranks_per_device(comm, device), available_cores())
+    return {"one_rank": t["one_rank"], "n_ranks": t[f"{n}_ranks"], "ranks": n,
+            "ratio_n_over_1": t[f"{n}_ranks"]["median_s"] / t["one_rank"]["median_s"],
+            "shared_device": shared, "note": note}
+
+
+def write_traces(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Module],
+                 device: torch.device, factory: Factory, steps: int, align: int,
+                 folder: str) -> str:
+    """A torch.profiler Chrome trace of ``steps`` overlapped steps per rank, in
+    ``folder/gpu_comm_rank{r}.json`` (on CUDA the communication stream's copies show beside the
+    compute stream's kernels). Returns this rank's file."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from sparsepipe_hpc.bench.spatial import step_fn
+    from sparsepipe_hpc.parallel.context import ParallelContext
+    from sparsepipe_hpc.parallel.layout import RankLayout
+
+    n = comm.Get_size()
+    ctx = ParallelContext(comm, RankLayout(1, 1, (n, 1, 1)), overlap=True, transport=factory,
+                          force_spatial=True)
+    fn = step_fn(make_net(), x, ctx, align)
+    fn()  # warm-up outside the trace
+    _sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    comm.Barrier()
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            with record_function(f"step {i}"):
+                fn()
+            _sync(device)
+    os.makedirs(folder, exist_ok=True)
+    path = str(Path(folder) / f"gpu_comm_rank{comm.Get_rank()}.json")
+    prof.export_chrome_trace(path)
+    comm.Barrier()
+    return path
