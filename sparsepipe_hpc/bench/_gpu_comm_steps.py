@@ -125,7 +125,8 @@ def _wait_fraction(on: dict[str, Any], off: dict[str, Any]) -> Optional[float]:
 
 def overlap_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Module],
                     device: torch.device, factory: Callable[[float], Factory],
-                    delays_s: list[float], repeats: int, align: int) -> dict[str, Any]:
+                    delays_s: list[float], repeats: int, align: int,
+                    reducer: Optional[Callable[[Any], Any]] = None) -> dict[str, Any]:
     """Step times with overlap on/off, without and with each of ``delays_s`` per halo exchange,
     and the hidden fraction per delay (collective over ``comm``, which has >= 2 ranks)."""
     from mpi4py import MPI
@@ -140,7 +141,7 @@ def overlap_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.
     for d in [0.0, *delays_s]:
         for overlap in (True, False):
             ctx = ParallelContext(comm, RankLayout(1, 1, (n, 1, 1)), overlap=overlap,
-                                  transport=factory(d))
+                                  transport=factory(d), reducer=reducer)
             ctxs[_key(overlap, d)] = ctx
             steps[_key(overlap, d)] = (step_fn(net, x, ctx, align), False)
     start: dict[str, int] = {}
@@ -210,8 +211,8 @@ def ranks_per_device(comm: Any, device: torch.device) -> int:
 
 
 def ranks_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Module],
-                  device: torch.device, factory: Factory, repeats: int, align: int
-                  ) -> dict[str, Any]:
+                  device: torch.device, factory: Factory, repeats: int, align: int,
+                  reducer: Optional[Callable[[Any], Any]] = None) -> dict[str, Any]:
     """The distributed step on all n ranks (grid n x 1 x 1, overlap on) versus the plain U-Net
     on rank 0 alone while the others sleep (collective over ``comm``)."""
     from launch.env import available_cores
@@ -220,7 +221,8 @@ def ranks_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Mo
     from sparsepipe_hpc.parallel.layout import RankLayout
 
     n = comm.Get_size()
-    ctx = ParallelContext(comm, RankLayout(1, 1, (n, 1, 1)), overlap=True, transport=factory)
+    ctx = ParallelContext(comm, RankLayout(1, 1, (n, 1, 1)), overlap=True, transport=factory,
+                          reducer=reducer)
     one = step_fn(make_net(), x) if comm.Get_rank() == 0 else (lambda: None)
     t = time_side_by_side(comm, {"one_rank": (one, True),
                                  f"{n}_ranks": (step_fn(make_net(), x, ctx, align), False)},
@@ -233,7 +235,7 @@ def ranks_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Mo
 
 def write_traces(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Module],
                  device: torch.device, factory: Factory, steps: int, align: int,
-                 folder: str) -> str:
+                 folder: str, reducer: Optional[Callable[[Any], Any]] = None) -> str:
     """A torch.profiler Chrome trace of ``steps`` overlapped steps per rank, in
     ``folder/gpu_comm_rank{r}.json`` (on CUDA the communication stream's copies show beside the
     compute stream's kernels). Returns this rank's file."""
@@ -245,7 +247,7 @@ def write_traces(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Mod
 
     n = comm.Get_size()
     ctx = ParallelContext(comm, RankLayout(1, 1, (n, 1, 1)), overlap=True, transport=factory,
-                          force_spatial=True)
+                          force_spatial=True, reducer=reducer)
     fn = step_fn(make_net(), x, ctx, align)
     fn()  # warm-up outside the trace
     _sync(device)

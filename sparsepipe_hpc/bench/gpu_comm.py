@@ -188,20 +188,26 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
     def factory(d: float) -> Any:
         return steps.halo_factory(name, streams, d)
 
+    from halo.transport.select import make_reducer
+
+    # Device reductions (BatchNorm statistics, gradients) on the device, as the trainer runs them.
+    reducer = None if name == "mpi" else (lambda c: make_reducer(name, c, streams))
+
     if "overlap" in sections and n >= 2:
         delays = args.delay_ms or (DEFAULT_DELAYS_MS[device.type])
         result["overlap"] = steps.overlap_section(comm, x, unet, device, factory,
-                                                  [d / 1e3 for d in delays], args.repeats, align)
+                                                  [d / 1e3 for d in delays], args.repeats, align,
+                                                  reducer=reducer)
         _say_overlap(say, result["overlap"])
     if "ranks" in sections and n >= 2:
         rk = result["ranks"] = steps.ranks_section(comm, x, unet, device, factory(0.0),
-                                                   args.repeats, align)
+                                                   args.repeats, align, reducer=reducer)
         say(f"ranks: 1 rank {rk['one_rank']['median_s'] * 1e3:.1f} ms, {n} ranks "
             f"{rk['n_ranks']['median_s'] * 1e3:.1f} ms, ratio {rk['ratio_n_over_1']:.2f}: "
             f"{rk['note']}")
     if args.trace:
         path = steps.write_traces(comm, x, unet, device, factory(0.0), args.trace_steps, align,
-                                  args.trace)
+                                  args.trace, reducer=reducer)
         result["trace"] = comm.gather(path)
         say(f"trace: {', '.join(result['trace'] or [])}")
 
