@@ -1,6 +1,8 @@
 """Stage-to-stage transfers: carries of sparse activations forward, their gradients back.
 
-    link = StageLink(MPITransport(comm.Dup()))
+    comm = world.Dup()
+    link = StageLink(StagedTransport(MPITransport(comm), dev), headers=MPITransport(comm),
+                     device=torch.device("cuda"))     # or StageLink(MPITransport(comm)) on CPU
     pending = link.post_carry(peer, mb)              # early: the header receive is posted
     sent = link.send_carry(peer, mb, [skip, x])      # producer: non-blocking, keep until done
     carry = link.finish_carry(pending, context, kmaps)   # consumer: wait, rebuild SparseTensors
@@ -8,7 +10,8 @@
     link.send_grads(peer, mb, [gx])                  # consumer: one message per float entry
     grads = link.finish_grads(g)
 
-Messages (all raw bytes through a halo ``Transport``, so device transports serve stages too):
+Messages (all raw bytes through a halo ``Transport``, so device transports serve stages too; the
+headers, read by the host, through a host one):
 
 * **activation** of micro-batch ``mb``: a fixed ``HEADER_BYTES`` uint8 header on tag
   ``tag(mb, ACT_HEADER)``: int64 length, then JSON describing each entry (sparse: voxel count N,
@@ -114,10 +117,19 @@ class PendingGrads:
 class StageLink:
     """Carries and gradients between this rank and the ranks of other stages (``transport``'s
     communicator ranks). Messages between one pair of ranks match by tag, so the micro-batches
-    of one edge may be in flight at once."""
+    of one edge may be in flight at once.
 
-    def __init__(self, transport: Transport):
+    ``transport`` moves the payloads (coordinates, features, gradients), received into tensors
+    on ``device`` (default: the CPU); ``headers`` (default: ``transport``) moves the fixed-size
+    headers, which the host reads: a host transport over the same ranks when the payloads are
+    device tensors. The transport must match by (peer, tag) in posting order and never block a
+    sender on its receiver (MPI's semantics; host-staged MPI keeps them on a GPU)."""
+
+    def __init__(self, transport: Transport, headers: Optional[Transport] = None,
+                 device: Optional[torch.device] = None):
         self.transport = transport
+        self.headers = headers if headers is not None else transport
+        self.device = torch.device("cpu") if device is None else device
 
     # --- activations -----------------------------------------------------------------------------
     def send_carry(self, peer: int, mb: int, entries: Sequence[Entry]) -> list[Request]:
@@ -164,7 +176,7 @@ class StageLink:
         header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         header[:8] = torch.tensor([len(text)], dtype=torch.int64).view(torch.uint8)
         header[8:8 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        reqs = [self.transport.start([(peer, header)], [], tag(mb, ACT_HEADER))]
+        reqs = [self.headers.start([(peer, header)], [], tag(mb, ACT_HEADER))]
         data = [(peer, t) for t in payload if t.numel()]
         reqs.append(self.transport.start(data, [], tag(mb, ACT_DATA)))
         return reqs
@@ -173,7 +185,7 @@ class StageLink:
         """Post the header receive of ``peer``'s carry for micro-batch ``mb``."""
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         return PendingCarry(peer, mb, header,
-                            self.transport.start([], [(peer, header)], tag(mb, ACT_HEADER)))
+                            self.headers.start([], [(peer, header)], tag(mb, ACT_HEADER)))
 
     def finish_carry(self, pending: PendingCarry, context: Any = None,
                      kmaps: Optional[dict] = None) -> list[Entry]:
@@ -186,12 +198,13 @@ class StageLink:
             raise TransferError(f"expected micro-batch {pending.mb} from rank {pending.peer}, "
                                 f"got {meta['mb']}")
         bufs: list[torch.Tensor] = []
+        dev = self.device
         for e in meta["entries"]:
             if e["kind"] == "sparse":
-                bufs += [torch.empty(e["n"], 4, dtype=torch.int32),
-                         torch.empty(e["n"], e["c"], dtype=_dtype(e["dtype"]))]
+                bufs += [torch.empty(e["n"], 4, dtype=torch.int32, device=dev),
+                         torch.empty(e["n"], e["c"], dtype=_dtype(e["dtype"]), device=dev)]
             else:
-                bufs.append(torch.empty(e["shape"], dtype=_dtype(e["dtype"])))
+                bufs.append(torch.empty(e["shape"], dtype=_dtype(e["dtype"]), device=dev))
         self.transport.start([], [(pending.peer, b) for b in bufs if b.numel()],
                              tag(pending.mb, ACT_DATA)).wait()
         kmaps = {} if kmaps is None else kmaps
@@ -222,7 +235,8 @@ class StageLink:
         bufs: list[Optional[torch.Tensor]] = []
         for e in entries:
             t = e.feats if isinstance(e, SparseTensor) else e
-            bufs.append(torch.empty(t.shape, dtype=t.dtype) if _needs_grad(t) else None)
+            bufs.append(torch.empty(t.shape, dtype=t.dtype, device=t.device) if _needs_grad(t)
+                        else None)
         live = [(peer, b) for b in bufs if b is not None and b.numel()]
         return PendingGrads(peer, mb, bufs, [self.transport.start([], live, tag(mb, GRAD))])
 

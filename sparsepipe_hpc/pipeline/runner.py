@@ -55,15 +55,18 @@ class Pipeline:
     constructs it, with the same arguments).
 
     ``balance``: blocks per stage ("5,4" or a sequence; None: :func:`even_balance`), one entry per
-    stage of ``ctx.layout``. ``transport``: for stage messages, over a communicator whose ranks
-    are the world's (default: MPI over a duplicate of ``ctx.world``, so stage tags never meet
-    other traffic). ``deferred_bn``: switch this stage's BatchNorms to deferred running
-    statistics (True) or per-micro-batch updates (False); None leaves them as they are.
+    stage of ``ctx.layout``. Stage messages travel on a duplicate of ``ctx.world`` (so stage tags
+    never meet other traffic): headers through MPI on the host, payloads through
+    ``transport(comm)`` when given (e.g. host-staged MPI for device tensors; see
+    :class:`~sparsepipe_hpc.pipeline.p2p.StageLink`), else MPI too. Received payloads land on the
+    device of the model's parameters. ``deferred_bn``: switch this stage's BatchNorms to
+    deferred running statistics (True) or per-micro-batch updates (False); None leaves them.
     """
 
     def __init__(self, model: Any, ctx: Any, balance: Optional[str | Sequence[int]] = None,
                  schedule: str = "1f1b", micro_batches: int = 1,
-                 transport: Optional[Transport] = None, deferred_bn: Optional[bool] = None):
+                 transport: Optional[Callable[[Any], Transport]] = None,
+                 deferred_bn: Optional[bool] = None):
         stages = ctx.layout.stages
         n = len(model.blocks)
         parts = even_balance(n, stages) if balance is None else parse_balance(balance, n, stages)
@@ -79,7 +82,11 @@ class Pipeline:
         if deferred_bn is not None:
             set_deferred_batchnorm(self.blocks, deferred_bn)
         pos, layout = ctx.position, ctx.layout
-        link = StageLink(transport if transport is not None else MPITransport(ctx.world.Dup()))
+        comm = ctx.world.Dup()
+        headers = MPITransport(comm)
+        self.device = next(iter(model.parameters()), torch.empty(0)).device
+        link = StageLink(transport(comm) if transport is not None else headers, headers,
+                         self.device)
         self.executor = StageExecutor(self.blocks, self.plan, self.schedule, self.stage, link,
                                       lambda s: layout.rank_of(pos.replica, s, pos.spatial))
 

@@ -415,11 +415,6 @@ def _apply_plan(given: dict[str, Any]) -> dict[str, Any]:
 def _check_device(cfg: TrainConfig) -> None:
     """What --device cuda and --precision can run with today (pure: CUDA presence is checked by
     the trainer, sparsepipe_hpc.train.device)."""
-    if cfg.device == "cuda" and (cfg.stages > 1 or cfg.micro_batches > 1):
-        raise ConfigError(f"--device cuda runs spatial and data parallelism (--stages 1, "
-                          f"--micro-batches 1) for now: stage transfers move host tensors; got "
-                          f"--stages {cfg.stages} --micro-batches {cfg.micro_batches}; pass "
-                          "--device cpu for pipeline parallelism")
     if cfg.precision != "fp32" and (cfg.stages > 1 or cfg.micro_batches > 1):
         raise ConfigError(f"--precision {cfg.precision} runs without a pipeline for now (stage "
                           f"transfers carry float32); got --stages {cfg.stages} --micro-batches "

@@ -72,29 +72,16 @@ def resolve_device(name: str, local_rank: int = 0, count: Optional[int] = None) 
     return torch.device("cuda", index)
 
 
-def trainer_device(cfg: Any, comm: Any) -> tuple[torch.device, Optional[str]]:
-    """The trainer's device on this rank and a note for the user (or None). **Collective** (the
-    local rank may come from splitting ``comm``; a ConfigError on any rank is raised on all).
-
-    ``auto`` stays on the CPU for pipeline runs, whose stage transfers move host tensors (the
-    note says so); ``cuda`` there is refused by the config already.
-    """
+def trainer_device(cfg: Any, comm: Any) -> torch.device:
+    """The trainer's device on this rank. **Collective** (the local rank may come from
+    splitting ``comm``; a ConfigError on any rank is raised on all)."""
+    from launch.env import detect
     from sparsepipe_hpc.train.agreement import agree
 
     if cfg.device == "cpu":
-        return torch.device("cpu"), None
-    host_only = cfg.stages > 1 or cfg.micro_batches > 1
-    local_rank = 0
-    if cfg.device == "cuda" or not host_only:
-        from launch.env import detect
-
-        local_rank = detect(comm).local_rank
-    if cfg.device == "auto" and host_only:
-        note = ("--device auto: pipeline runs compute on the CPU for now (their stage "
-                "transfers move host tensors)") if cuda_device_count() else None
-        return torch.device("cpu"), note
-    device = agree(comm, lambda: resolve_device(cfg.device, local_rank))
-    return device, None
+        return torch.device("cpu")
+    local_rank = detect(comm).local_rank
+    return agree(comm, lambda: resolve_device(cfg.device, local_rank))
 
 
 def move_tensor(x: Any, device: torch.device) -> Any:

@@ -90,14 +90,13 @@ class Trainer:
         # CUDA is asked for and absent. --transport (halo.transport.select): likewise when a
         # device transport is asked for without CUDA; it moves the spatial grid's halos, and
         # its reducer the layers' and the gradients' all-reduces of device tensors.
-        self.device, device_note = trainer_device(cfg, comm)
+        self.device = trainer_device(cfg, comm)
         self.precision = Precision(cfg.precision, self.device)
         self.transport = trainer_transport(cfg, self.device, comm)
-        make_transport, make_reducer = device_comm(self.transport, self.device)
+        self.device_comm = device_comm(self.transport, self.device)
         self.ctx = ParallelContext(comm, self.layout, cuts=cfg.cuts, overlap=cfg.overlap,
-                                   transport=make_transport, reducer=make_reducer)
-        if device_note:
-            self._say(f"note: {device_note}")
+                                   transport=self.device_comm.halo,
+                                   reducer=self.device_comm.reducer)
         self.seg = cfg.task == "seg"
 
         data_dir = Path(cfg.data) if cfg.data else default_data(cfg.task, comm=comm)
@@ -127,10 +126,13 @@ class Trainer:
         self.pipe: Optional[Pipeline] = None
         self.eval_pipe: Optional[Pipeline] = None
         if cfg.stages > 1 or cfg.micro_batches > 1:
+            stages = self.device_comm.stages  # device payloads: host-staged on a stream
             self.pipe = agree(comm, lambda: Pipeline(self.model, self.ctx, cfg.balance,
                                                      cfg.pipeline_schedule, cfg.micro_batches,
+                                                     transport=stages,
                                                      deferred_bn=cfg.deferred_bn))
-            self.eval_pipe = Pipeline(self.model, self.ctx, cfg.balance, "gpipe", 1)
+            self.eval_pipe = Pipeline(self.model, self.ctx, cfg.balance, "gpipe", 1,
+                                      transport=stages)
 
         params = list(self.pipe.parameters() if self.pipe else self.model.parameters())
         self.train_params = params

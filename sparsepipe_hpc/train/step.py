@@ -39,7 +39,7 @@ from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.gradients import GradientReducer
 from sparsepipe_hpc.pipeline.executor import sample_bounds, split_batch
 from sparsepipe_hpc.pipeline.runner import Pipeline
-from sparsepipe_hpc.train.device import Precision
+from sparsepipe_hpc.train.device import Precision, move_tensor
 from sparsepipe_hpc.tracing import span
 
 __all__ = ["plain_step", "pipeline_step", "pipeline_logits"]
@@ -84,7 +84,8 @@ def pipeline_step(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: bo
     step. ``batch``: the replica's batch; ``batch_size``: the global batch (cls loss shares).
 
     Returns (my loss share: the sum over micro-batches on the last stage, 0 elsewhere; my
-    input voxels on stage 0, 0 elsewhere), so the world all-reduce counts each once.
+    input voxels on stage 0, 0 elsewhere), so the world all-reduce counts each once. Inputs
+    (first stage) and targets (last stage) move to the pipeline's device.
     """
     m = pipe.micro_batches
     parts = split_batch(batch.x, m, batch.labels) if seg else split_batch(batch.x, m)
@@ -97,9 +98,9 @@ def pipeline_step(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: bo
             else:
                 (x,) = ctx.distribute(part[0], align=stride)
                 y = batch.labels[lo:hi]
-            inputs.append(x)
+            inputs.append(move_tensor(x, pipe.device) if pipe.is_first else x)
             contexts.append(x.context)
-            targets.append(y)
+            targets.append(y.to(pipe.device) if pipe.is_last else y)
             n_local += x.num_voxels
     # seg: voxels of the global batch (every stage holds them all); cls: as in plain_step.
     denom = ctx.global_count(n_local) if seg else batch_size * ctx.spatial_size
@@ -120,7 +121,7 @@ def pipeline_step(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: bo
     optimizer.zero_grad(set_to_none=True)
     shares = pipe.run(inputs, contexts, loss_fn, step,
                       last_backward=reducer.arm if reducer is not None else None)
-    share = torch.stack(shares).sum() if shares else torch.zeros(())
+    share = torch.stack(shares).sum() if shares else torch.zeros((), device=pipe.device)
     return share, n_local if pipe.is_first else 0
 
 
@@ -135,5 +136,7 @@ def pipeline_logits(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: 
     else:
         (x,) = ctx.distribute(batch.x, align=stride)
         labels = batch.labels
+    if pipe.is_first:
+        x = move_tensor(x, pipe.device)
     out = pipe.run([x], [x.context], lambda i, o: o.feats if seg else o, backward=False)
-    return (out[0], labels) if out else None
+    return (out[0], labels.to(pipe.device)) if out else None

@@ -1,8 +1,9 @@
 """``--transport`` in the trainer: resolve it on this rank's device, the same way on every rank.
 
     name = trainer_transport(cfg, device, comm)   # "mpi" on CPU; ConfigError for nccl without CUDA
-    make, reduce = device_comm(name, device)      # None, None (mpi4py) or comm -> transport,
-    ctx = ParallelContext(comm, layout, transport=make, reducer=reduce)   # comm -> reducer
+    dc = device_comm(name, device)                # what makes each group's transports
+    ctx = ParallelContext(comm, layout, transport=dc.halo, reducer=dc.reducer)
+    pipe = Pipeline(model, ctx, transport=dc.stages)
 
 On CPU only ``mpi`` exists (``auto`` -> ``mpi``); a device transport asked for on a CPU run is a
 ConfigError on every rank (``agree``). On CUDA ``auto`` resolves to ``staged`` for now: halo rows
@@ -10,12 +11,15 @@ and plan coordinates then move device -> pinned host -> MPI -> pinned host -> de
 communication stream, the path whose ordering the CPU suite tests on a stand-in device; ``nccl``
 and ``ipc`` must be asked for by name (not yet run on a GPU). Reductions (gradient buckets,
 BatchNorm statistics, pooling) of device tensors go through the matching reducer on a stream of
-the same device: NCCL's for ``nccl``, host-staged MPI for ``staged`` and ``ipc``.
+the same device: NCCL's for ``nccl``, host-staged MPI for ``staged`` and ``ipc``. Pipeline stage
+transfers of device tensors always go host-staged: their receives are posted late and from both
+directions at once, which MPI's matching serves, while NCCL (calls matched in order on one
+stream) and this IPC transport (a sender waits for its receiver) could block each other.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -23,7 +27,7 @@ from halo.transport.base import Reducer, Transport, TransportError
 from halo.transport.select import choose_transport, make_reducer, make_transport
 from sparsepipe_hpc.train.config import ConfigError
 
-__all__ = ["trainer_transport", "device_comm"]
+__all__ = ["trainer_transport", "device_comm", "DeviceComm"]
 
 
 def _nccl_imports() -> bool:
@@ -61,17 +65,25 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
         raise ConfigError(str(e)) from None
 
 
-def device_comm(name: str, device: torch.device
-                ) -> tuple[Optional[Callable[[Any], Transport]],
-                           Optional[Callable[[Any], Optional[Reducer]]]]:
-    """What makes a group's halo transport and its reducer from its communicator, for the
-    resolved ``name``: (None, None) for "mpi" (host buffers, the default), else device ones on
-    the streams of one :class:`~halo.transport.streams.CudaDevice` for ``device``, shared by
-    every group (the ParallelContext's ``transport=`` and ``reducer=``)."""
+class DeviceComm(NamedTuple):
+    """What makes each group's communication from its communicator (None: mpi4py on host
+    tensors): the spatial grid's halo transport, the reducer of device tensors, and the pipeline
+    stages' payload transport."""
+
+    halo: Optional[Callable[[Any], Transport]] = None
+    reducer: Optional[Callable[[Any], Optional[Reducer]]] = None
+    stages: Optional[Callable[[Any], Transport]] = None
+
+
+def device_comm(name: str, device: torch.device) -> DeviceComm:
+    """The :class:`DeviceComm` of the resolved transport ``name``: all None for "mpi", else
+    device ones on the streams of one :class:`~halo.transport.streams.CudaDevice` for
+    ``device``, shared by every group (stage payloads host-staged whatever ``name`` is)."""
     if name == "mpi":
-        return None, None
+        return DeviceComm()
     from halo.transport.streams import CudaDevice
 
     streams = CudaDevice(device)
-    return (lambda comm: make_transport(name, comm, streams),
-            lambda comm: make_reducer(name, comm, streams))
+    return DeviceComm(halo=lambda comm: make_transport(name, comm, streams),
+                      reducer=lambda comm: make_reducer(name, comm, streams),
+                      stages=lambda comm: make_transport("staged", comm, streams))

@@ -30,6 +30,7 @@ from sparsepipe_hpc.pipeline.carry import PipelineError, plan_carry
 from sparsepipe_hpc.pipeline.executor import sample_bounds, split_batch
 from sparsepipe_hpc.pipeline.runner import Pipeline
 from sparsepipe_hpc.sparse import SparseTensor
+from sparsepipe_hpc.train.transport import DeviceComm
 
 SHAPE = (16, 16, 16)
 GLOBAL_BATCH = 4
@@ -127,14 +128,18 @@ def pipelined(request):
     return run
 
 
-def _pipelined(comm, model, batch, name, stages, grid, kind, m, backward=True, deferred_bn=None):
-    """This rank's part of the pipelined step; returns (position, carry plan, global loss)."""
+def _pipelined(comm, model, batch, name, stages, grid, kind, m, backward=True, deferred_bn=None,
+               device_comm=None):
+    """This rank's part of the pipelined step; returns (position, carry plan, global loss).
+    ``device_comm``: the trainer's DeviceComm (halo, reducer and stage-payload makers)."""
     layout = RankLayout.from_world(comm.size, grid=grid, stages=stages)
-    ctx = ParallelContext(comm, layout)
+    dc = device_comm or DeviceComm()
+    ctx = ParallelContext(comm, layout, transport=dc.halo, reducer=dc.reducer)
     pos = ctx.position
     x, vlab, slab = batch
     pipe = Pipeline(model, ctx, balance=",".join(map(str, BALANCE[name][stages])),
-                    schedule=kind, micro_batches=m, deferred_bn=deferred_bn)
+                    schedule=kind, micro_batches=m, deferred_bn=deferred_bn,
+                    transport=dc.stages)
     per = GLOBAL_BATCH // layout.replicas
     xr, vr, sr = select(x, vlab, slab, range(pos.replica * per, (pos.replica + 1) * per))
     inputs, contexts, labels = [], [], []
@@ -192,6 +197,57 @@ def test_pipeline_equals_micro_batched_serial(comm, pipelined, name, kind):
         pos, plan, loss = pipelined(comm, model, batch, name, stages, grid, kind, m)
         assert loss == pytest.approx(ref_loss, rel=1e-10), (stages, grid)
         compare(model, ref, plan.stages[pos.stage], pos)
+
+
+class StandIn:
+    """The trainer's device path on the CPU stand-in device: halos and stage payloads through
+    StagedTransport, reductions through StagedReducer (one SimDevice), every one kept."""
+
+    def __init__(self) -> None:
+        from halo.transport.streams import SimDevice
+
+        self.dev, self.transports, self.reducers = SimDevice(), [], []
+
+    def transport(self, comm):
+        from halo.transport.mpi import MPITransport
+        from halo.transport.staged import StagedTransport
+
+        self.transports.append(StagedTransport(MPITransport(comm), self.dev))
+        return self.transports[-1]
+
+    def reducer(self, comm):
+        from halo.transport.staged_reduce import StagedReducer
+
+        self.reducers.append(StagedReducer(comm, self.dev))
+        return self.reducers[-1]
+
+    def device_comm(self) -> DeviceComm:
+        return DeviceComm(halo=self.transport, reducer=self.reducer, stages=self.transport)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_pipeline_on_the_device_path_equals_micro_batched_serial(comm, pipelined, kind):
+    """Stage payloads (headers through host MPI), halos and every reduction through the device
+    path the trainer takes on a GPU (host-staged copies ordered by stream events, here on the
+    stand-in device): the micro-batched serial run's loss, gradients and running statistics."""
+    if not layouts(comm):
+        pytest.skip(f"no pipeline layout for {comm.size} ranks")
+    batch = make_batch(11)
+    for stages, grid in layouts(comm):
+        replicas = comm.size // (stages * grid[0] * grid[1] * grid[2])
+        m = min(3, GLOBAL_BATCH // replicas)
+        ref = build("unet")
+        model = copy.deepcopy(ref)
+        groups = [sum((micro_samples(replicas, m)[r][i] for r in range(replicas)), [])
+                  for i in range(m)]
+        ref_loss = oracle(ref, batch, "unet", groups)
+        stand_in = StandIn()
+        pos, plan, loss = pipelined(comm, model, batch, "unet", stages, grid, kind, m, True,
+                                    None, stand_in.device_comm())
+        assert loss == pytest.approx(ref_loss, rel=1e-10), (stages, grid)
+        compare(model, ref, plan.stages[pos.stage], pos)
+        if stages > 1:  # the stage link's transport is the last one made
+            assert stand_in.transports[-1].pool.allocated > 0, "no stage payload was staged"
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def device_comm(name: str):
-    """(transport maker, reducer maker) for ``name`` on this rank's GPU, as the trainer makes."""
+    """The trainer's DeviceComm (halo, reducer and stage makers) for ``name`` on this GPU."""
     from sparsepipe_hpc.train.transport import device_comm as makers
 
     if name == "ipc" and importlib.util.find_spec("cupy") is None:
@@ -54,9 +54,9 @@ def test_unet_on_cuda_equals_serial(comm, name, engine):
         dist = SparseUNet(3, 5, width=4, depth=2, engine=engine)
         dist.load_state_dict(serial.state_dict())
         dist.to("cuda", dtype)
-        make_transport, make_reducer = device_comm(name)
-        ctx = ParallelContext(comm, RankLayout(1, 1, grid), transport=make_transport,
-                              reducer=make_reducer)
+        dc = device_comm(name)
+        ctx = ParallelContext(comm, RankLayout(1, 1, grid), transport=dc.halo,
+                              reducer=dc.reducer)
         fs = x.feats.clone().requires_grad_()
         ys = serial(x.replace(feats=fs, kmaps={}))
         xl, = ctx.distribute(x.replace(kmaps={}), align=4)

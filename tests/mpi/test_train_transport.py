@@ -57,6 +57,7 @@ def test_the_trainer_hands_its_transport_and_reducer_to_the_parallel_context(com
     from halo.transport.staged_reduce import StagedReducer
     from halo.transport.streams import SimDevice
     from sparsepipe_hpc.train import loop
+    from sparsepipe_hpc.train.transport import DeviceComm
 
     grid = ["--grid", f"{comm.size},1,1", "--steps", "2"]
     plain = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / "run-mpi"))), comm,
@@ -74,7 +75,7 @@ def test_the_trainer_hands_its_transport_and_reducer_to_the_parallel_context(com
         def reducer(group_comm):
             reducers.append(StagedReducer(group_comm, dev))
             return reducers[-1]
-        return transport, reducer
+        return DeviceComm(halo=transport, reducer=reducer)
 
     monkeypatch.setattr(loop, "device_comm", staged_on_stand_in)
     t = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / "run-staged"))), comm,
@@ -87,5 +88,44 @@ def test_the_trainer_hands_its_transport_and_reducer_to_the_parallel_context(com
     assert t.reducer is not None and t.reducer.group.reducer in reducers
     for r in (t.ctx.stats_group.reducer, t.reducer.group.reducer):
         assert r.pool.allocated > 0, "a reduction skipped its reducer"
+    assert staged["train"]["loss"] == pytest.approx(plain["train"]["loss"], rel=1e-6)
+    assert staged["eval"]["miou"] == pytest.approx(plain["eval"]["miou"], rel=1e-6)
+
+
+def test_the_trainer_hands_its_stage_transport_to_the_pipeline(comm, shared, monkeypatch):
+    """--stages on the device path: stage payloads through what ``device_comm`` makes for
+    stages (host-staged, here on the stand-in device), headers through host MPI, reductions
+    through the reducer: the same losses as the pipeline on mpi4py."""
+    if comm.size < 2:
+        pytest.skip("a pipeline needs 2+ ranks")
+    from halo.transport.mpi import MPITransport
+    from halo.transport.staged import StagedTransport
+    from halo.transport.staged_reduce import StagedReducer
+    from halo.transport.streams import SimDevice
+    from sparsepipe_hpc.train import loop
+    from sparsepipe_hpc.train.transport import DeviceComm
+
+    layout = ["--stages", "2", "--micro-batches", "2", "--steps", "2",
+              "--batch-size", str(2 * (comm.size // 2))]
+    if comm.size % 2:
+        pytest.skip("2 stages need an even world")
+    plain = Trainer(parse_config(argv(shared, *layout, "--out", str(shared / "pipe-mpi"))), comm,
+                    log=None).run()
+    stage_transports: list[StagedTransport] = []
+
+    def staged_on_stand_in(name, device):
+        dev = SimDevice()
+
+        def stages(world_dup):
+            stage_transports.append(StagedTransport(MPITransport(world_dup), dev))
+            return stage_transports[-1]
+        return DeviceComm(reducer=lambda c: StagedReducer(c, dev), stages=stages)
+
+    monkeypatch.setattr(loop, "device_comm", staged_on_stand_in)
+    t = Trainer(parse_config(argv(shared, *layout, "--out", str(shared / "pipe-staged"))), comm,
+                log=None)
+    assert len(stage_transports) == 2  # the training and the evaluation pipelines
+    staged = t.run()
+    assert all(tr.pool.allocated > 0 for tr in stage_transports), "a stage skipped the transport"
     assert staged["train"]["loss"] == pytest.approx(plain["train"]["loss"], rel=1e-6)
     assert staged["eval"]["miou"] == pytest.approx(plain["eval"]["miou"], rel=1e-6)
