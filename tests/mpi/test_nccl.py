@@ -32,7 +32,7 @@ def test_ring_and_allreduce(comm, nccl_transport):
     recv = torch.empty_like(send)
     nccl_transport.start([(right, send)], [(left, recv)], tag=0).wait()
     t = torch.arange(10, dtype=torch.float64, device="cuda") * (comm.rank + 1)
-    nccl_transport.allreduce_(t)
+    nccl_transport.iallreduce_(t).wait()
     torch.cuda.synchronize()
     assert recv.eq(float(left)).all()
     want = torch.arange(10, dtype=torch.float64) * sum(r + 1 for r in range(comm.size))

@@ -5,7 +5,7 @@ one-H100 machines here) and its spatial grid's halos move through StagedTranspor
 pinned host -> MPI -> pinned host -> device, on a communication stream) or IPCTransport (CUDA IPC,
 CuPy); BatchNorm statistics and gradient buckets through StagedReducer (the reducer of both); the
 serial float64 run on the CPU is the oracle, as in test_spatial.py. NCCL is not run
-here: it refuses two ranks on one GPU (tests/mpi/test_nccl.py covers it with a GPU per rank).
+here unless every rank has a GPU of its own: it refuses two ranks on one GPU.
 Skipped, with the reason, without CUDA (the CPU suite runs the same code on the stand-in device:
 test_spatial.py::test_staged_transport_equals_serial).
 """
@@ -26,12 +26,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device: device transports run on GPUs only")
 
 
-def device_comm(name: str):
+def device_comm(comm, name: str):
     """The trainer's DeviceComm (halo, reducer and stage makers) for ``name`` on this GPU."""
     from sparsepipe_hpc.train.transport import device_comm as makers
 
-    if name == "ipc" and importlib.util.find_spec("cupy") is None:
-        pytest.skip("CuPy is not installed (the gpu extra): no CUDA IPC")
+    if name in ("ipc", "nccl") and importlib.util.find_spec("cupy") is None:
+        pytest.skip(f"CuPy is not installed (the gpu extra): no {name}")
+    if name == "nccl" and torch.cuda.device_count() < comm.size:
+        pytest.skip(f"{comm.size} ranks but {torch.cuda.device_count()} GPU(s): NCCL refuses two "
+                    f"ranks on one GPU ('Duplicate GPU detected')")
     return makers(name, torch.device("cuda", torch.cuda.current_device()))
 
 
@@ -40,7 +43,7 @@ def _my_gpu(comm):
     torch.cuda.set_device(comm.rank % torch.cuda.device_count())
 
 
-@pytest.mark.parametrize("name", ["staged", "ipc"])
+@pytest.mark.parametrize("name", ["staged", "ipc", "nccl"])
 @pytest.mark.parametrize("engine", ["torch", "spconv"])
 def test_unet_on_cuda_equals_serial(comm, name, engine):
     """float64 with the own engine (exact to rounding); float32 with spconv's CUDA kernels
@@ -54,7 +57,7 @@ def test_unet_on_cuda_equals_serial(comm, name, engine):
         dist = SparseUNet(3, 5, width=4, depth=2, engine=engine)
         dist.load_state_dict(serial.state_dict())
         dist.to("cuda", dtype)
-        dc = device_comm(name)
+        dc = device_comm(comm, name)
         ctx = ParallelContext(comm, RankLayout(1, 1, grid), transport=dc.halo,
                               reducer=dc.reducer)
         fs = x.feats.clone().requires_grad_()
