@@ -39,8 +39,9 @@ straight to the stage that uses it, so its bytes count once, on that edge.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
@@ -133,7 +134,8 @@ class StageExecutor:
     """Runs ``schedule.actions[stage]`` over ``blocks`` (see the module docstring)."""
 
     def __init__(self, blocks: Sequence[torch.nn.Module], plan: CarryPlan, schedule: Schedule,
-                 stage: int, link: StageLink, peer_rank: Callable[[int], int]):
+                 stage: int, link: StageLink, peer_rank: Callable[[int], int],
+                 autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext):
         if schedule.stages != len(plan.stages):
             raise PipelineError(f"the schedule has {schedule.stages} stages but the partition "
                                 f"{len(plan.stages)}")
@@ -149,6 +151,7 @@ class StageExecutor:
                                 f"{len(self.blocks)}")
         self.schedule, self.stage, self.link, self.peer_rank = schedule, stage, link, peer_rank
         self.last = stage == schedule.stages - 1
+        self.autocast = autocast  # around every FORWARD (its blocks and the loss): mixed precision
         self.transfers: list[Transfer] = []  # the last run's stage messages, in program order
 
     def traffic(self) -> dict[str, dict[str, int]]:
@@ -234,7 +237,7 @@ class StageExecutor:
                 elif act.op is Op.FORWARD:
                     carry = [inputs[i] if s.producer == INPUT else received[i][s.id]
                              for s in plan.inputs]
-                    with torch.set_grad_enabled(backward):
+                    with torch.set_grad_enabled(backward), self.autocast():
                         for block in self.blocks:
                             carry = block(carry)
                         if len(carry) != len(plan.outputs):

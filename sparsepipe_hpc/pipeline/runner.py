@@ -25,7 +25,8 @@ still normalizes per micro-batch). See sparsepipe_hpc.nn.layers.BatchNorm.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 
@@ -61,12 +62,15 @@ class Pipeline:
     :class:`~sparsepipe_hpc.pipeline.p2p.StageLink`), else MPI too. Received payloads land on the
     device of the model's parameters. ``deferred_bn``: switch this stage's BatchNorms to
     deferred running statistics (True) or per-micro-batch updates (False); None leaves them.
+    ``autocast``: a context every forward (blocks and loss) runs in, e.g. bf16 autocast (then
+    carries travel in bf16 and their gradients come back in it).
     """
 
     def __init__(self, model: Any, ctx: Any, balance: Optional[str | Sequence[int]] = None,
                  schedule: str = "1f1b", micro_batches: int = 1,
                  transport: Optional[Callable[[Any], Transport]] = None,
-                 deferred_bn: Optional[bool] = None):
+                 deferred_bn: Optional[bool] = None,
+                 autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext):
         stages = ctx.layout.stages
         n = len(model.blocks)
         parts = even_balance(n, stages) if balance is None else parse_balance(balance, n, stages)
@@ -88,7 +92,8 @@ class Pipeline:
         link = StageLink(transport(comm) if transport is not None else headers, headers,
                          self.device)
         self.executor = StageExecutor(self.blocks, self.plan, self.schedule, self.stage, link,
-                                      lambda s: layout.rank_of(pos.replica, s, pos.spatial))
+                                      lambda s: layout.rank_of(pos.replica, s, pos.spatial),
+                                      autocast)
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """This stage's parameters (the slice of the model this rank trains)."""

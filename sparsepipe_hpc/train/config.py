@@ -415,10 +415,11 @@ def _apply_plan(given: dict[str, Any]) -> dict[str, Any]:
 def _check_device(cfg: TrainConfig) -> None:
     """What --device cuda and --precision can run with today (pure: CUDA presence is checked by
     the trainer, sparsepipe_hpc.train.device)."""
-    if cfg.precision != "fp32" and (cfg.stages > 1 or cfg.micro_batches > 1):
-        raise ConfigError(f"--precision {cfg.precision} runs without a pipeline for now (stage "
-                          f"transfers carry float32); got --stages {cfg.stages} --micro-batches "
-                          f"{cfg.micro_batches}; pass --precision fp32")
+    if cfg.precision == "fp16" and (cfg.stages > 1 or cfg.micro_batches > 1):
+        raise ConfigError(f"--precision fp16 runs without a pipeline for now (its loss scaling "
+                          f"would need every stage to agree on skipping a step with inf "
+                          f"gradients); got --stages {cfg.stages} --micro-batches "
+                          f"{cfg.micro_batches}; pass --precision bf16 (no loss scaling) or fp32")
 
 
 def distributed_input(cfg: TrainConfig) -> bool:

@@ -127,12 +127,13 @@ class Trainer:
         self.eval_pipe: Optional[Pipeline] = None
         if cfg.stages > 1 or cfg.micro_batches > 1:
             stages = self.device_comm.stages  # device payloads: host-staged on a stream
+            amp = self.precision.autocast  # --precision bf16: every stage's forward
             self.pipe = agree(comm, lambda: Pipeline(self.model, self.ctx, cfg.balance,
                                                      cfg.pipeline_schedule, cfg.micro_batches,
-                                                     transport=stages,
+                                                     transport=stages, autocast=amp,
                                                      deferred_bn=cfg.deferred_bn))
             self.eval_pipe = Pipeline(self.model, self.ctx, cfg.balance, "gpipe", 1,
-                                      transport=stages)
+                                      transport=stages, autocast=amp)
 
         params = list(self.pipe.parameters() if self.pipe else self.model.parameters())
         self.train_params = params

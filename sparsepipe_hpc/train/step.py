@@ -106,8 +106,8 @@ def pipeline_step(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: bo
     denom = ctx.global_count(n_local) if seg else batch_size * ctx.spatial_size
 
     def loss_fn(i: int, out: Any) -> torch.Tensor:
-        logits = out.feats if seg else out
-        return F.cross_entropy(logits, targets[i], reduction="sum") / denom
+        logits = out.feats if seg else out  # bf16 under --precision bf16: the loss in float32
+        return F.cross_entropy(logits.float(), targets[i], reduction="sum") / denom
 
     def step() -> None:
         with span("allreduce", "allreduce"):
@@ -138,5 +138,6 @@ def pipeline_logits(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: 
         labels = batch.labels
     if pipe.is_first:
         x = move_tensor(x, pipe.device)
-    out = pipe.run([x], [x.context], lambda i, o: o.feats if seg else o, backward=False)
+    out = pipe.run([x], [x.context], lambda i, o: (o.feats if seg else o).float(),
+                   backward=False)
     return (out[0], labels.to(pipe.device)) if out else None

@@ -71,6 +71,31 @@ def test_pipelined_trainer_equals_single_process(comm, shared, tmp_path, kind):
                                   atol=1e-5), k
 
 
+def test_bf16_pipeline_tracks_fp32_with_bf16_carries(comm, shared):
+    """--precision bf16 with stages: every stage's forward runs under autocast, so carries and
+    their gradients travel in bf16 (about half the bytes of fp32's), master weights stay
+    float32, and the loss curve tracks fp32's."""
+    if comm.size not in LAYOUTS:
+        pytest.skip(f"no one-replica pipeline layout for {comm.size} ranks")
+    stages, grid, balance = LAYOUTS[comm.size][0]
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        out = shared / f"pipe-{precision}-{comm.size}"
+        t = Trainer(config(shared, out, "--stages", str(stages), "--grid", grid, "--balance",
+                           balance, "--precision", precision, "--engine", "torch"), comm,
+                    log=None)
+        t.run()
+        sent = sum(v["bytes"] for k, v in t.pipe.executor.traffic().items()
+                   if k.startswith("send"))
+        runs[precision] = (curve(out, comm), comm.allreduce(sent), t)
+    (a, bytes32, _), (b, bytes16, t16) = runs["fp32"], runs["bf16"]
+    assert abs(a[0] - b[0]) < 0.02 * a[0], (a, b)  # the same first step, to bf16 rounding
+    assert abs(a[-1] - b[-1]) < 0.1 * a[-1], (a, b)
+    # feats and gradients halve; coordinates (int32) do not: well under fp32's bytes
+    assert bytes16 < 0.8 * bytes32, (bytes16, bytes32)
+    assert all(p.dtype == torch.float32 for p in t16.model.parameters())
+
+
 def test_deferred_bn_running_stats_equal_unpipelined(comm, shared, tmp_path):
     """--deferred-bn with --micro-batches 4: the same losses as the default mode, and after the
     step the stem BatchNorm's running statistics equal the unpipelined single-process step's
