@@ -176,12 +176,18 @@ class StageExecutor:
             loss_fn: Optional[Callable[[int, Any], torch.Tensor]] = None,
             step: Optional[Callable[[], None]] = None,
             backward: bool = True,
-            last_backward: Optional[Callable[[], None]] = None) -> list[torch.Tensor]:
+            last_backward: Optional[Callable[[], None]] = None,
+            scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+            ) -> list[torch.Tensor]:
         """Run the stage's program once (one mini-batch); see the module docstring.
 
         ``last_backward``: called just before the program's last BACKWARD action, the one after
         which the parameter gradients are final (``GradientReducer.arm``: buckets start their
         all-reduce during that backward, ``step`` finishes them).
+
+        ``scale_loss`` (last stage): what autograd starts from instead of a share, e.g. fp16's
+        ``GradScaler.scale``; the gradients sent back are then scaled as well (``step`` unscales
+        them on every stage). The shares returned stay unscaled.
 
         ``backward=False`` (evaluation): only the forward actions and their transfers run, under
         ``torch.no_grad()``; nothing steps. ``loss_fn`` may then return any tensor (a loss, the
@@ -263,8 +269,11 @@ class StageExecutor:
                 elif act.op is Op.BACKWARD:
                     if k == last_bwd and last_backward is not None:
                         last_backward()
+                    loss = losses.get(i)
+                    if loss is not None and scale_loss is not None:
+                        loss = scale_loss(loss)
                     in_grads[i] = self._backward(i, outputs.pop(i), out_grads.pop(i),
-                                                 received.pop(i), losses.get(i))
+                                                 received.pop(i), loss)
                     kmaps.pop(i)
                 elif act.op is Op.SEND_GRAD:
                     in_slots = plan.recv_slots(peer)

@@ -103,12 +103,15 @@ class Pipeline:
             loss_fn: Optional[Callable[[int, Any], torch.Tensor]],
             step: Optional[Callable[[], None]] = None,
             backward: bool = True,
-            last_backward: Optional[Callable[[], None]] = None) -> list[torch.Tensor]:
+            last_backward: Optional[Callable[[], None]] = None,
+            scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+            ) -> list[torch.Tensor]:
         """One mini-batch through the schedule (StageExecutor.run's contract); loss shares of
         the micro-batches on the last stage, [] elsewhere. ``backward=False``: forward only
-        (evaluation), ``loss_fn``'s results returned. ``last_backward``: see StageExecutor.run."""
+        (evaluation), ``loss_fn``'s results returned. ``last_backward``, ``scale_loss``: see
+        StageExecutor.run."""
         shares = self.executor.run(inputs if self.is_first else [None] * self.micro_batches,
                                    contexts, loss_fn if self.is_last else None, step, backward,
-                                   last_backward)
+                                   last_backward, scale_loss)
         commit_batchnorm(self.blocks)  # deferred BatchNorm: one update for the mini-batch
         return shares

@@ -363,7 +363,6 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
                                        or cfg.micro_batches > 1):
         raise ConfigError("--input distributed reads scenes (--task seg) for an unpipelined "
                           "spatial group (no --stages or --micro-batches); use --input whole")
-    _check_device(cfg)
     try:
         choose_transport(cfg.transport, "cpu" if cfg.device == "cpu" else None)
     except TransportError as e:
@@ -410,16 +409,6 @@ def _apply_plan(given: dict[str, Any]) -> dict[str, Any]:
         out[key] = value
     out["plan_ranks"] = checked["ranks"]
     return out
-
-
-def _check_device(cfg: TrainConfig) -> None:
-    """What --device cuda and --precision can run with today (pure: CUDA presence is checked by
-    the trainer, sparsepipe_hpc.train.device)."""
-    if cfg.precision == "fp16" and (cfg.stages > 1 or cfg.micro_batches > 1):
-        raise ConfigError(f"--precision fp16 runs without a pipeline for now (its loss scaling "
-                          f"would need every stage to agree on skipping a step with inf "
-                          f"gradients); got --stages {cfg.stages} --micro-batches "
-                          f"{cfg.micro_batches}; pass --precision bf16 (no loss scaling) or fp32")
 
 
 def distributed_input(cfg: TrainConfig) -> bool:

@@ -5,6 +5,7 @@
     with prec.autocast():                                 # bf16 convolutions and activations
         loss = model(x.to(device)) ...
     prec.backward(loss); allreduce(grads); prec.step(optimizer)   # GradScaler only for fp16
+    prec = Precision("fp16", device, comm)   # skip verdicts agreed over comm (pipeline stages)
 
 ``auto`` takes the GPU that :mod:`launch.device` gives this local rank (round-robin over the
 visible devices) when torch sees CUDA, else the CPU; ``cuda`` without a usable CUDA device is a
@@ -13,8 +14,11 @@ optimizer state stay float32 (master weights), convolutions and linear layers ru
 dtype (the library's sparse convolutions cast to it themselves, :mod:`sparsepipe_hpc.nn.amp`),
 BatchNorm statistics and all cross-rank reductions stay in float32/float64, the loss is float32;
 fp16 adds dynamic loss scaling (``torch.amp.GradScaler``; bf16 has float32's range and needs
-none). Gradients are all-reduced while still scaled; the scaler unscales after the sum, so every
-rank sees the same inf/NaN verdict and skips (or takes) the same step.
+none). Gradients are all-reduced while still scaled; the scaler unscales after the sum. Ranks
+that hold the same parameters then see the same sums; ranks that hold different ones (pipeline
+stages) agree on the inf/NaN verdict over ``comm`` (:class:`AgreedGradScaler`), so every rank
+skips (or takes) the same step and keeps the same loss scale: a stage unscales the gradients that
+the last stage's scaled loss sent back with the scale that loss was multiplied by.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 from sparsepipe_hpc.train.config import ConfigError
 
 __all__ = ["DEVICES", "PRECISIONS", "resolve_device", "trainer_device", "cuda_device_count",
-           "Precision", "move_tensor"]
+           "AgreedGradScaler", "Precision", "move_tensor"]
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -96,16 +100,48 @@ def move_tensor(x: Any, device: torch.device) -> Any:
                      feats=x.feats.to(device, non_blocking=True), kmaps={})
 
 
-class Precision:
-    """``--precision`` on a device: the autocast context and the (fp16) loss scaler."""
+class AgreedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose inf/NaN verdict is the maximum over the mpi4py
+    communicator ``comm``: every rank skips or takes the same step and so keeps the same scale,
+    though each holds other parameters (a pipeline stage's). Collective in ``unscale_`` (one
+    scalar all-reduce per step; ``step`` calls it). As torch's ShardedGradScaler does for its
+    process groups, it reduces the parent's per-device verdicts in place, before ``step`` and
+    ``update`` read them.
 
-    def __init__(self, name: str, device: torch.device):
+    The scale lives on ``device`` from the start: a stage that never scales a loss (all but the
+    last) still unscales what came back from it.
+    """
+
+    def __init__(self, device: torch.device, comm: Any):
+        super().__init__(device.type)
+        self.comm = comm
+        self._lazy_init_scale_growth_tracker(device)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        from mpi4py import MPI
+
+        super().unscale_(optimizer)
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        mine = max((float(v.item()) for v in found.values()), default=0.0)
+        agreed = self.comm.allreduce(mine, op=MPI.MAX)
+        for v in found.values():
+            v.fill_(agreed)
+
+
+class Precision:
+    """``--precision`` on a device: the autocast context and the (fp16) loss scaler, whose
+    skip verdicts are agreed over ``comm`` when given (:class:`AgreedGradScaler`; pass the world
+    communicator whenever ranks hold different parameters)."""
+
+    def __init__(self, name: str, device: torch.device, comm: Any = None):
         if name not in PRECISIONS:
             raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}; got {name!r}")
         self.name, self.device = name, device
         self.dtype: Optional[torch.dtype] = _DTYPES.get(name)
-        self.scaler: Optional[torch.amp.GradScaler] = (
-            torch.amp.GradScaler(device.type) if name == "fp16" else None)
+        self.scaler: Optional[torch.amp.GradScaler] = None
+        if name == "fp16":
+            self.scaler = (torch.amp.GradScaler(device.type) if comm is None
+                           else AgreedGradScaler(device, comm))
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -116,15 +152,20 @@ class Precision:
         with torch.autocast(self.device.type, dtype=self.dtype):
             yield
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to run backward from: multiplied by the loss scale for fp16, else itself."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled for fp16."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        self.scale_loss(loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Optimizer step on (all-reduced) gradients: unscaled and skipped on inf/NaN for fp16."""
         if self.scaler is None:
             optimizer.step()
             return
+        self.scaler.unscale_(optimizer)  # here, so fused optimizers see the agreed verdict too
         self.scaler.step(optimizer)
         self.scaler.update()
 

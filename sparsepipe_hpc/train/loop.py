@@ -91,7 +91,7 @@ class Trainer:
         # device transport is asked for without CUDA; it moves the spatial grid's halos, and
         # its reducer the layers' and the gradients' all-reduces of device tensors.
         self.device = trainer_device(cfg, comm)
-        self.precision = Precision(cfg.precision, self.device)
+        self.precision = Precision(cfg.precision, self.device, comm)
         self.transport = trainer_transport(cfg, self.device, comm)
         self.device_comm = device_comm(self.transport, self.device)
         self.ctx = ParallelContext(comm, self.layout, cuts=cfg.cuts, overlap=cfg.overlap,
@@ -127,7 +127,7 @@ class Trainer:
         self.eval_pipe: Optional[Pipeline] = None
         if cfg.stages > 1 or cfg.micro_batches > 1:
             stages = self.device_comm.stages  # device payloads: host-staged on a stream
-            amp = self.precision.autocast  # --precision bf16: every stage's forward
+            amp = self.precision.autocast  # --precision bf16/fp16: every stage's forward
             self.pipe = agree(comm, lambda: Pipeline(self.model, self.ctx, cfg.balance,
                                                      cfg.pipeline_schedule, cfg.micro_batches,
                                                      transport=stages, autocast=amp,
@@ -252,7 +252,7 @@ class Trainer:
             share, n_local = pipeline_step(
                 self.pipe, self.ctx, batch, seg=self.seg, stride=self.stride,
                 batch_size=self.cfg.batch_size, optimizer=self.optimizer, reducer=self.reducer,
-                params=self.train_params)
+                params=self.train_params, precision=self.precision)
         else:
             share, n_local = plain_step(
                 self._forward, batch, ctx=self.ctx, seg=self.seg, batch_size=self.cfg.batch_size,

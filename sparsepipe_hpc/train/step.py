@@ -3,7 +3,8 @@
     share, voxels = plain_step(forward, batch, ctx=ctx, seg=True, batch_size=16, model=model,
                                optimizer=opt, reducer=None, precision=Precision("fp32", cpu))
     share, voxels = pipeline_step(pipe, ctx, batch, seg=True, stride=8, batch_size=16,
-                                  optimizer=opt, reducer=None, params=list(pipe.parameters()))
+                                  optimizer=opt, reducer=None, params=list(pipe.parameters()),
+                                  precision=Precision("fp16", cpu, comm))
     got = pipeline_logits(eval_pipe, ctx, val_batch, seg=True, stride=8)  # None off the last stage
 
 The loss convention (:mod:`sparsepipe_hpc.parallel.context`), for the replica's batch::
@@ -77,11 +78,14 @@ def plain_step(forward: Callable[[Any], tuple[torch.Tensor, torch.Tensor, int]],
 
 def pipeline_step(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: bool, stride: int,
                   batch_size: int, optimizer: torch.optim.Optimizer,
-                  reducer: Optional[GradientReducer],
-                  params: Sequence[torch.nn.Parameter]) -> tuple[torch.Tensor, int]:
+                  reducer: Optional[GradientReducer], params: Sequence[torch.nn.Parameter],
+                  precision: Precision) -> tuple[torch.Tensor, int]:
     """One pipelined step: micro-batches of whole samples through this rank's stage, then the
     stage's gradient all-reduce (``reducer``'s buckets, or one over ``params``) and ``optimizer``
     step. ``batch``: the replica's batch; ``batch_size``: the global batch (cls loss shares).
+    ``precision``: the stages' autocast is the Pipeline's; here fp16's loss scale seeds the last
+    stage's backward and every stage unscales, skipping the step together when any gradient
+    anywhere is inf/NaN (``Precision`` made with the world communicator).
 
     Returns (my loss share: the sum over micro-batches on the last stage, 0 elsewhere; my
     input voxels on stage 0, 0 elsewhere), so the world all-reduce counts each once. Inputs
@@ -116,11 +120,12 @@ def pipeline_step(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: bo
             else:
                 ctx.allreduce_gradients(params)
         with span("optimizer", "optimizer"):
-            optimizer.step()
+            precision.step(optimizer)  # fp16: unscale the summed gradients, maybe skip
 
     optimizer.zero_grad(set_to_none=True)
     shares = pipe.run(inputs, contexts, loss_fn, step,
-                      last_backward=reducer.arm if reducer is not None else None)
+                      last_backward=reducer.arm if reducer is not None else None,
+                      scale_loss=precision.scale_loss)
     share = torch.stack(shares).sum() if shares else torch.zeros((), device=pipe.device)
     return share, n_local if pipe.is_first else 0
 

@@ -160,3 +160,26 @@ def test_trainer_bucketed_equals_flat(comm, shared, optimizer):
                 assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (extra, k)
             else:
                 assert torch.equal(a, b), (extra, k)
+
+
+@pytest.mark.parametrize("bad_rank", [0, -1])
+def test_fp16_skip_verdict_is_agreed_over_the_communicator(comm, bad_rank):
+    """Each rank holds other parameters (as pipeline stages do); one rank's gradient is inf.
+    Precision("fp16", cpu, comm) skips the step on every rank and halves every rank's scale;
+    the next step, all finite, is taken everywhere, unscaled by the same scale."""
+    from sparsepipe_hpc.train.device import Precision
+
+    bad = bad_rank % comm.size
+    w = torch.nn.Parameter(torch.full((3,), float(comm.rank)))
+    opt = torch.optim.SGD([w], lr=1.0)
+    prec = Precision("fp16", torch.device("cpu"), comm)
+    scale = prec.scaler.get_scale()
+    w.grad = torch.full((3,), scale)  # as if the scaled loss's gradient (1 each) came back
+    if comm.rank == bad:
+        w.grad[1] = float("inf")
+    prec.step(opt)
+    assert torch.equal(w.detach(), torch.full((3,), float(comm.rank)))  # skipped everywhere
+    assert comm.allgather(prec.scaler.get_scale()) == [scale / 2] * comm.size
+    w.grad = torch.full((3,), scale / 2)
+    prec.step(opt)
+    assert torch.equal(w.detach(), torch.full((3,), comm.rank - 1.0))  # unscaled: grad 1
