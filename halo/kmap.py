@@ -106,7 +106,8 @@ class KernelMap:
         """
         dev = keep.device
         sizes = (self.ptr[1:] - self.ptr[:-1]).to(dev)
-        offset_of_pair = torch.repeat_interleave(torch.arange(self.num_offsets, device=dev), sizes)
+        offset_of_pair = torch.repeat_interleave(torch.arange(self.num_offsets, device=dev), sizes,
+                                                 output_size=self.num_pairs)  # no device sync
         counts = torch.zeros(self.num_offsets, dtype=torch.int64, device=dev)
         counts.index_add_(0, offset_of_pair, keep.long())
         ptr = torch.zeros(self.num_offsets + 1, dtype=torch.int64)
@@ -123,7 +124,7 @@ class KernelMap:
             dev = self.in_rows.device
             pairs = torch.full((2, self.num_offsets, width), -1, dtype=torch.int32, device=dev)
             k = torch.repeat_interleave(torch.arange(self.num_offsets, device=dev),
-                                        counts.long().to(dev))
+                                        counts.long().to(dev), output_size=self.num_pairs)
             pos = torch.arange(self.num_pairs, device=dev) - self.ptr.to(dev)[k]
             pairs[0, k, pos] = self.in_rows.int()
             pairs[1, k, pos] = self.out_rows.int()

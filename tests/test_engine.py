@@ -196,3 +196,17 @@ def test_spconv_subm_map_equals_explicit_pairs(gen, k, d, pieces):
     torch.testing.assert_close(gi2, gi + 1)
     assert eng.subm_map(x.coords, x.spatial_shape, x.batch_size, 1, 1) is None  # 1x1: own map
     assert get_engine("torch").subm_map(x.coords, x.spatial_shape, x.batch_size, 3, 1) is None
+
+
+def test_spconv_gets_bfloat16_as_float32_on_every_device():
+    """spconv 2.3.8 has no bfloat16 (a CUDA bf16 tensor would raise KeyError in its dtype
+    table), so bfloat16 calls compute in float32 on CUDA too; when spconv adds it, this says so."""
+    from spconv.pytorch.cppcore import _TORCH_DTYPE_TO_TV
+
+    from sparsepipe_hpc.engine.spconv_engine import native_dtype
+
+    assert torch.bfloat16 not in _TORCH_DTYPE_TO_TV  # if this fails, spconv grew bf16: use it
+    for dev in ("cpu", "cuda"):
+        assert native_dtype(torch.bfloat16, torch.device(dev)) == torch.float32
+        assert native_dtype(torch.float16, torch.device(dev)) == torch.float16
+        assert native_dtype(torch.float32, torch.device(dev)) == torch.float32

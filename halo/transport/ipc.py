@@ -98,6 +98,9 @@ class IPCTransport(Transport):
             cap = max(256, 1 << max(0, nbytes - 1).bit_length())
             ptr = self._rt.malloc(cap)
             buf = _Registered(ptr, cap, bytes(self._rt.ipcGetMemHandle(ptr)))
+            # A send to ourselves writes it directly: CUDA opens only other processes' handles
+            # (ipcOpenMemHandle of our own fails with "invalid device context").
+            self._opened[buf.handle] = ptr
             pool.append(buf)
         buf.busy = True
         return buf

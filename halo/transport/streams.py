@@ -206,7 +206,12 @@ class CudaDevice(Device):
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
         self.device = torch.device(device or "cuda")
-        self.compute = _CudaStream(torch.cuda.current_stream(self.device))
+
+    @property
+    def compute(self) -> Stream:  # type: ignore[override]
+        """The stream torch computes on now (not the one current at construction: work run
+        under ``torch.cuda.stream(s)`` is ordered against ``s``)."""
+        return _CudaStream(torch.cuda.current_stream(self.device))
 
     def new_stream(self, name: str) -> Stream:
         return _CudaStream(torch.cuda.Stream(self.device))

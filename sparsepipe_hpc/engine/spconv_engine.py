@@ -56,8 +56,12 @@ def single_thread(device: torch.device) -> Iterator[None]:
 
 
 def native_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype spconv computes a ``dtype`` call in on ``device``: bfloat16 on CPU in float32."""
-    return torch.float32 if dtype == torch.bfloat16 and device.type == "cpu" else dtype
+    """The dtype spconv computes a ``dtype`` call in on ``device``: bfloat16 in float32, on
+    every device. spconv 2.3.8 has no bfloat16 at all: its torch -> tensorview dtype table
+    (``spconv/pytorch/cppcore.py``) lacks it, so a CUDA bfloat16 tensor raises KeyError there
+    (spconv issue 673). fp16 is the mixed precision that runs spconv's own fast kernels."""
+    del device  # the same answer everywhere; kept so callers need not change if spconv adds it
+    return torch.float32 if dtype == torch.bfloat16 else dtype
 
 
 @contextlib.contextmanager
@@ -165,10 +169,11 @@ def _chunks(counts: torch.Tensor, progress: Progress, parts: int = 4) -> list[to
     if progress is None or len(counts) < parts:
         return [counts]
     bounds = torch.linspace(0, len(counts), parts + 1).round().long().tolist()
+    host = counts.cpu()  # one copy, not a device sync per piece
     pieces = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        part = torch.zeros_like(counts)
-        part[a:b] = counts[a:b]
-        if int(part.sum()):
+        if int(host[a:b].sum()):
+            part = torch.zeros_like(counts)
+            part[a:b] = counts[a:b]
             pieces.append(part)
     return pieces or [counts]
