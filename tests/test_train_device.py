@@ -176,3 +176,14 @@ def test_fp16_loss_scale_round_trips_through_the_checkpoint(data, tmp_path):
                            "--resume", "auto"), MPI.COMM_SELF, log=None)
     assert resumed.precision.scaler.get_scale() == saved["scale"]
     assert saved["scale"] != Precision("fp16", torch.device("cpu")).scaler.get_scale()
+
+
+@pytest.mark.parametrize("engine, note", [("spconv", True), ("torch", False)])
+def test_bf16_start_line_says_when_spconv_computes_in_float32(data, tmp_path, engine, note):
+    """spconv has no bfloat16, so under --precision bf16 its convolutions run in float32: the
+    start-up line says so (and points to fp16) only when spconv is the engine."""
+    said: list[str] = []
+    Trainer(tiny(data, tmp_path / engine, "--steps", "1", "--precision", "bf16", "--engine",
+                 engine), MPI.COMM_SELF, log=said.append).run()
+    assert ("spconv has no bfloat16: its convolutions run in float32; fp16 runs its fast "
+            "kernels" in said[0]) is note, said[0]

@@ -42,6 +42,7 @@ import torch
 
 from sparsepipe_hpc.data import (ModelNetDataset, SceneDataset, ShardedBatches, check_splits,
                                  collate, default_data, grid_for)
+from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.nn import build_model
 from halo.transport.collectives import allreduce_
 from sparsepipe_hpc.parallel.context import ParallelContext
@@ -327,6 +328,9 @@ class Trainer:
                      else "") + "; "
                   f"{self.total_steps} steps of global batch {cfg.batch_size} on {self.device}"
                   + (f" in {cfg.precision}" if cfg.precision != "fp32" else "")
+                  + (" (spconv has no bfloat16: its convolutions run in float32; fp16 runs its "
+                     "fast kernels)" if cfg.precision == "bf16"
+                     and get_engine(cfg.engine, self.device).name == "spconv" else "")
                   + f"; transport {self.transport}" + f"; out {self.out}"
                   + (f"; resumed at step {self.step}" if self.resumed_from else ""))
         bar = tqdm(total=self.total_steps, initial=self.step, desc=cfg.task, unit="step",
