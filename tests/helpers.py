@@ -1,13 +1,27 @@
-"""Small builders shared by the test suites (random voxel clouds, a fake clock, a full disk)."""
+"""Small builders shared by the test suites (random voxel clouds, a fake clock, a full disk,
+the environment of a child process)."""
 
 from __future__ import annotations
 
 import errno
-from typing import Any
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
 import torch
 
 from sparsepipe_hpc.sparse import SparseTensor
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def repo_env(base: Optional[Mapping[str, str]] = None, **extra: str) -> dict[str, str]:
+    """``base`` (default ``os.environ``) plus ``extra``, with the repository first on PYTHONPATH
+    and what was there kept: on the GPU machine spconv lives only on PYTHONPATH (``.site``)."""
+    env = dict(os.environ if base is None else base, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
 
 
 def random_cloud(gen: torch.Generator, n: int, shape=(16, 16, 16), batch: int = 2,

@@ -4,19 +4,17 @@ needs (structure only: the figures measure the machine, and a CPU says nothing a
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import repo_env
 from sparsepipe_hpc.bench.gpu import synthetic_rooms
 from sparsepipe_hpc.bench.spconv_unet import SpconvUNet
 from sparsepipe_hpc.nn import SparseUNet
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--rooms", "1", "--voxel-size", "0.2", "--width", "4", "--depth", "2", "--points",
         "20000", "--layer-channels", "8", "--repeats", "1"]
 
@@ -32,7 +30,7 @@ def test_reference_unet_is_sparseunets_architecture():
 
 
 def run(args, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = repo_env(OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "sparsepipe_hpc.bench", "gpu", *args],
                           env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from halo.kmap import kernel_map, output_coords
-from helpers import random_cloud
+from helpers import random_cloud, repo_env
 from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.nn import SparseUNet
 
@@ -90,17 +90,14 @@ def test_unet_under_autocast_on_gpu(gen):
 
 def test_gpu_benchmark_runs_on_cuda(tmp_path):
     import json
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, "-m", "sparsepipe_hpc.bench", "gpu", "--device", "cuda",
                            "--rooms", "1", "--voxel-size", "0.1", "--points", "50000",
                            "--width", "8", "--depth", "2", "--repeats", "2", "--json", str(out)],
-                          env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True,
+                          env=repo_env(), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())

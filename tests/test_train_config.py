@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import repo_env
 from sparsepipe_hpc.train.config import (TASK_DEFAULTS, ConfigError, TrainConfig, parse_config,
                                          resolve_layout)
 
@@ -135,7 +135,7 @@ def test_toml_falls_back_to_tomli_without_tomllib(tmp_path):
         f"    config.parse_config(['--config', {str(tmp_path / 'bad.toml')!r}])\n"
         "except config.ConfigError as e:\n"
         "    print('ConfigError', e)\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = repo_env(OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr

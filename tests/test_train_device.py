@@ -18,10 +18,9 @@ from sparsepipe_hpc.train.device import Precision, move_tensor, resolve_device
 from sparsepipe_hpc.train.loop import SetupError, Trainer
 from sparsepipe_hpc.train.metrics import read_metrics
 
-from helpers import random_cloud
+from helpers import random_cloud, repo_env
 from test_mpi import mpi_env, mpirun_command
 
-ROOT = Path(__file__).resolve().parents[1]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
 
@@ -94,7 +93,7 @@ def test_cli_device_cuda_without_cuda_exits_2_on_every_rank(tmp_path):
     """Under mpirun -n 2: one message, exit status 2, no traceback, no hang."""
     cmd = mpirun_command(2) + [sys.executable, "-m", "sparsepipe_hpc.train", "--device", "cuda",
                                "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress"]
-    env = dict(mpi_env(), PYTHONPATH=str(ROOT))
+    env = repo_env(mpi_env())
     t = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]

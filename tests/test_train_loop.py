@@ -27,7 +27,7 @@ from sparsepipe_hpc.train.loop import LrSchedule, SetupError, Trainer
 from sparsepipe_hpc.train.metrics import read_metrics
 from sparsepipe_hpc.train.output import OutputError
 
-from helpers import FillsUp
+from helpers import FillsUp, repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,7 +174,7 @@ def test_bad_data_path_is_a_clear_error(data, tmp_path):
 
 
 def run_cli(args, **kw):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = repo_env(OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "sparsepipe_hpc.train", *args], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **kw)
@@ -247,7 +247,7 @@ def test_start_removes_temp_files_left_by_a_killed_save(data, tmp_path):
         "    f.write(b'PK' + bytes(1 << 20)); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
         "torch.save = dying_save\n"
         f"ck.atomic_save({{'step': 1}}, {str(out / 'last.pt')!r})\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = repo_env(OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == -signal.SIGKILL
     left = [p.name for p in out.iterdir()]  # what the killed save left behind, for ever (before)

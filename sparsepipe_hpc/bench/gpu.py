@@ -6,7 +6,8 @@
 
 Side by side in one run, on one device, every step a forward + backward from fresh coordinates
 (kernel maps included, as in training), timed with CUDA events after a synchronize (wall clock
-on a CPU), median of ``--repeats`` after a warm-up:
+on a CPU), median of ``--repeats`` rounds after a warm-up, the variants of a table alternating
+within each round; the JSON is rewritten after each precision (``complete`` once all ran):
 
   steps        per precision (fp32, and fp16/bf16 under torch.autocast): the plain spconv U-Net
                (:mod:`.spconv_unet`), ``SparseUNet`` on one rank, and the distributed model on a
@@ -39,7 +40,7 @@ import torch
 from sparsepipe_hpc.bench.common import environment, write_json
 from sparsepipe_hpc.sparse import SparseTensor
 
-__all__ = ["main", "build_parser", "synthetic_rooms", "time_step"]
+__all__ = ["main", "build_parser", "synthetic_rooms", "time_step", "time_alternating"]
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -66,30 +67,49 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _time_once(fn: Callable[[], Any], device: torch.device) -> tuple[float, Optional[int]]:
+    """Seconds of one ``fn()`` (CUDA events on a GPU, wall clock on a CPU) and the peak device
+    memory during it (None on a CPU)."""
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t, None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(device)
+
+
+def time_alternating(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int,
+                     warmup: int = 1) -> dict[str, dict[str, Any]]:
+    """Per name of ``fns``: median and min seconds of one call and its peak device memory.
+
+    ``warmup`` rounds, then ``repeats`` rounds that call every function once in turn, so that
+    drift (clocks, other load, allocator state) falls on all of them alike.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    peaks: dict[str, Optional[int]] = {name: None for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t, peak = _time_once(fn, device)
+            times[name].append(t)
+            if peak is not None:
+                peaks[name] = max(peaks[name] or 0, peak)
+    return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "repeats": repeats,
+                   "peak_bytes": peaks[name]} for name, ts in times.items()}
+
+
 def time_step(fn: Callable[[], Any], device: torch.device, repeats: int,
               warmup: int = 1) -> dict[str, Any]:
     """Median and min seconds of ``fn`` (CUDA events on a GPU) and the peak device memory."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats,
-            "peak_bytes": peak}
+    return time_alternating({"fn": fn}, device, repeats, warmup)["fn"]
 
 
 def _autocast(device: torch.device, dtype: Optional[torch.dtype]) -> Any:
@@ -136,8 +156,7 @@ def _steps(x: SparseTensor, args: Any, device: torch.device,
         runs.insert(0, ("spconv_unet", plain_step))
     else:
         out["spconv_unet"] = {"skipped": SKIP_CPU_AUTOCAST}
-    for name, fn in runs:
-        out[name] = time_step(fn, device, args.repeats)
+    out.update(time_alternating(dict(runs), device, args.repeats))
     base = out["spconv_unet"]
     for name in ("sparseunet", "distributed_1x1x1"):
         if "median_s" in base:
@@ -181,8 +200,8 @@ def _layer(x: SparseTensor, c: int, args: Any, device: torch.device,
         y.backward(grad.to(y.dtype))
 
     st = sp.SparseConvTensor(feats, x.coords, list(x.spatial_shape), x.batch_size)
-    with torch.no_grad():
-        ref(st)  # builds and keeps the indices under key "l", as ours keeps its map on xs
+    with torch.no_grad():  # spconv keeps the indices it builds on its output (key "l"), not on
+        st = ref(st).replace_feature(feats)  # its input: time it on them, as ours on its map
 
     def ref_fn() -> None:
         f = feats.clone().requires_grad_()
@@ -190,6 +209,19 @@ def _layer(x: SparseTensor, c: int, args: Any, device: torch.device,
             y = ref(st.replace_feature(f)).features
         y.backward(grad.to(y.dtype))
 
+    useful = 3 * 2 * pairs * c * c
+    dense = 3 * 2 * n * 27 * c * c
+    out: dict[str, Any] = {"channels": c, "voxels": n, "pairs": pairs,
+                           "useful_flop": useful, "dense_flop": dense}
+    layers = {"project": ours_fn}
+    if _spconv_runs(device, dtype):
+        layers["spconv"] = ref_fn
+    else:
+        out["spconv"] = {"skipped": SKIP_CPU_AUTOCAST}
+    for name, t in time_alternating(layers, device, args.repeats).items():
+        out[name] = dict(t, tflops=useful / t["median_s"] / 1e12)
+
+    # torch.mm's operands only now, so the layers' peak memory does not hold them
     mm_dtype = dtype or torch.float32
     a = torch.randn(n, 27 * c, device=device, dtype=mm_dtype)
     b = torch.randn(27 * c, c, device=device, dtype=mm_dtype)
@@ -200,18 +232,9 @@ def _layer(x: SparseTensor, c: int, args: Any, device: torch.device,
         torch.mm(a.t(), g)
         torch.mm(g, b.t())
 
-    useful = 3 * 2 * pairs * c * c
-    dense = 3 * 2 * n * 27 * c * c
-    out: dict[str, Any] = {"channels": c, "voxels": n, "pairs": pairs,
-                           "useful_flop": useful, "dense_flop": dense}
-    for name, fn, flop in (("project", ours_fn, useful), ("spconv", ref_fn, useful),
-                           ("torch_mm", mm_fn, dense)):
-        if name == "spconv" and not _spconv_runs(device, dtype):
-            out[name] = {"skipped": SKIP_CPU_AUTOCAST}
-            continue
-        t = time_step(fn, device, args.repeats)
-        t["tflops"] = flop / t["median_s"] / 1e12
-        out[name] = t
+    t = time_step(mm_fn, device, args.repeats)
+    out["torch_mm"] = dict(t, tflops=dense / t["median_s"] / 1e12)
+    del a, b, g
     return out
 
 
@@ -264,10 +287,8 @@ def _kernel_maps(x: SparseTensor, depth: int, device: torch.device, repeats: int
                                          geo["padding"], geo["dilation"], geo["out_padding"],
                                          subm, False)
 
-    out: dict[str, Any] = {}
-    for name, fn in (("project", project), ("spconv", spconv_own),
-                     ("explicit_subm_maps", explicit_subm)):
-        out[name] = time_step(fn, device, repeats)
+    out: dict[str, Any] = time_alternating({"project": project, "spconv": spconv_own,
+                                            "explicit_subm_maps": explicit_subm}, device, repeats)
     out["ratio_project_over_spconv"] = out["project"]["median_s"] / out["spconv"]["median_s"]
     return out
 
@@ -316,7 +337,7 @@ def main(argv: list[str]) -> None:
                   "voxels": x.num_voxels, "spatial_shape": list(x.spatial_shape),
                   "width": args.width, "depth": args.depth},
         "targets": {"time_ratio_max": 1.10, "memory_ratio_max": 1.10},
-        "steps": {}, "layer": {}}
+        "steps": {}, "layer": {}, "complete": False}
     for name in names:
         steps = result["steps"][name] = _steps(x, args, device, PRECISIONS[name])
         for net in ("spconv_unet", "sparseunet", "distributed_1x1x1"):
@@ -337,8 +358,10 @@ def main(argv: list[str]) -> None:
                 continue
             print(f"{name} layer {args.layer_channels}->{args.layer_channels} {net:8s} "
                   f"{t['median_s'] * 1e3:8.2f} ms {t['tflops']:8.3f} TFLOP/s")
+        write_json(args.json, result)  # what is measured so far survives a later crash
     km = result["kernel_maps"] = _kernel_maps(x, args.depth, device, args.repeats)
     print(f"kernel maps: project {km['project']['median_s'] * 1e3:.1f} ms, spconv "
           f"{km['spconv']['median_s'] * 1e3:.1f} ms, explicit subm maps "
           f"{km['explicit_subm_maps']['median_s'] * 1e3:.1f} ms")
+    result["complete"] = True
     write_json(args.json, result)

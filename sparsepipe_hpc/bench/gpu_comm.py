@@ -166,8 +166,9 @@ def _say_overlap(say: Callable[..., None], ov: dict[str, Any]) -> None:
 
 def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.device,
                    streams: Any, name: str, result: dict[str, Any],
-                   say: Callable[..., None]) -> None:
-    """overlap, ranks and the trace: the distributed U-Net's steps on one synthetic room."""
+                   say: Callable[..., None], save: Callable[[], None]) -> None:
+    """overlap, ranks and the trace: the distributed U-Net's steps on one synthetic room;
+    ``save()`` after each section."""
     from sparsepipe_hpc.bench import _gpu_comm_steps as steps
     from sparsepipe_hpc.bench.common import synthetic_room
     from sparsepipe_hpc.nn import SparseUNet
@@ -199,12 +200,14 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
                                                   [d / 1e3 for d in delays], args.repeats, align,
                                                   reducer=reducer)
         _say_overlap(say, result["overlap"])
+        save()
     if "ranks" in sections and n >= 2:
         rk = result["ranks"] = steps.ranks_section(comm, x, unet, device, factory(0.0),
                                                    args.repeats, align, reducer=reducer)
         say(f"ranks: 1 rank {rk['one_rank']['median_s'] * 1e3:.1f} ms, {n} ranks "
             f"{rk['n_ranks']['median_s'] * 1e3:.1f} ms, ratio {rk['ratio_n_over_1']:.2f}: "
             f"{rk['note']}")
+        save()
     if args.trace:
         path = steps.write_traces(comm, x, unet, device, factory(0.0), args.trace_steps, align,
                                   args.trace, reducer=reducer)
@@ -250,7 +253,13 @@ def main(argv: list[str]) -> None:
         "benchmark": "gpu-comm", "device": str(device), "world_size": n, "transport": name,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "sections": sections, "env": environment(comm),
-        "figures": "GPU" if device.type == "cuda" else "CPU (say nothing about a GPU)"}
+        "figures": "GPU" if device.type == "cuda" else "CPU (say nothing about a GPU)",
+        "complete": False}
+
+    def save() -> None:  # after each section: what is measured survives a later crash
+        if rank == 0:
+            write_json(args.json, result)
+
     if "sizes" in sections:
         if device.type != "cuda":
             result["sizes"] = {"skipped": SIZES_SKIPPED_CPU}
@@ -262,11 +271,12 @@ def main(argv: list[str]) -> None:
             for row in sz["rows"]:
                 say(f"sizes {row['transport']:<7} {row['bytes']:>10} B "
                     f"{row['median_s'] * 1e6:10.1f} us")
+            save()
     for sec in ("overlap", "ranks"):
         if sec in sections and n < 2:
             result[sec] = {"skipped": f"{n} rank: needs >= 2 (mpirun -n 2 ...)"}
             say(f"{sec}: skipped: {result[sec]['skipped']}")
     if args.trace or ({"overlap", "ranks"} & set(sections) and n >= 2):
-        _step_sections(args, sections, comm, device, streams, name, result, say)
-    if rank == 0:
-        write_json(args.json, result)
+        _step_sections(args, sections, comm, device, streams, name, result, say, save)
+    result["complete"] = True
+    save()
