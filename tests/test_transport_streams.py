@@ -27,6 +27,25 @@ def test_copy_reads_its_source_when_it_runs_not_when_enqueued():
     assert dst.tolist() == [7.0] * 3
 
 
+def test_a_lagging_device_finishes_work_some_ticks_later_in_order():
+    """SimDevice(lag=k): work runs k ticks (host enqueues or queries) after it was enqueued,
+    still in stream order and after its waits; synchronize ticks until it is done."""
+    dev = SimDevice(lag=3)
+    comm = dev.new_stream("comm")
+    src, dst = torch.zeros(3), torch.full((3,), -1.0)
+    dev.compute.launch(lambda: src.fill_(7.0))
+    comm.wait_event(dev.compute.record())
+    comm.copy_(dst, src)
+    done = comm.record()
+    assert dst.tolist() == [-1.0] * 3 and not done.query()  # enqueued, not run yet
+    done.synchronize()
+    assert done.query() and dst.tolist() == [7.0] * 3
+    dev.compute.hold()
+    dev.compute.launch(lambda: src.fill_(1.0))
+    with pytest.raises(StreamError, match="held"):  # lag or not, a held stream never gets there
+        dev.compute.record().synchronize()
+
+
 def test_without_the_wait_the_copy_races_ahead():
     """The failure the transports' wait_event prevents: shows the stand-in can catch it."""
     dev = SimDevice()

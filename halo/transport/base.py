@@ -58,6 +58,12 @@ class Transport(ABC):
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
         """Post every receive, then every send; return at once with a :class:`Request`."""
 
+    def progress(self) -> bool:
+        """Hand on what this transport holds back (a staged send whose copy has finished);
+        True while something is still held back. Call it while blocked on other messages that
+        a peer may send only after receiving those. Most transports hold nothing back."""
+        return False
+
 
 class Reducer(ABC):
     """All-reduces tensors of one device over the ranks of one communicator, stream-ordered.

@@ -13,7 +13,8 @@ Correct on any MPI, CUDA-aware or not: MPI only ever sees host buffers. Order of
     host:    Irecv(h_recv) at start; Isend(h_send) once ev1 has completed; MPI completes; H2D
 
 Sends are posted to MPI in the order the requests were started (MPI's per-peer matching order),
-even when a later request's copy finishes first. Staging buffers come from a
+even when a later request's copy finishes first; a rank waiting on one request keeps posting the
+later ones as their copies finish (its peer may need them first). Staging buffers come from a
 :class:`~halo.transport.streams.StagingPool` and go back with the event of the last copy that uses
 them. After ``wait`` the receive tensors are ready *for work enqueued on the compute stream*; the
 host itself must synchronize the stream before reading them (as with any CUDA kernel output).
@@ -75,8 +76,15 @@ class StagedRequest(Request):
     def wait(self) -> None:
         if self._done:
             return
-        self._owner._post_in_order(upto=self)
+        o = self._owner
+        o._post_in_order(upto=self)
         assert self._host_send is not None
+        # Sends started after this request may still be held back, their D2H copy running. A
+        # peer may need one of them before it sends what this request waits for (1F1B with 3+
+        # stages: act 1 before grad 0), so post them as their copies finish instead of
+        # blocking in MPI with them unsent - a deadlock on a GPU, whose copies lag.
+        while o._unposted and not (self._host_recv.test() and self._host_send.test()):
+            o.progress()
         self._host_recv.wait()
         self._host_send.wait()
         self._finish()
@@ -134,6 +142,10 @@ class StagedTransport(Transport):
         self._unposted.append(req)
         self._post_in_order(upto=None)
         return req
+
+    def progress(self) -> bool:
+        self._post_in_order(upto=None)
+        return bool(self._unposted)
 
     def _post_in_order(self, upto: Optional[StagedRequest]) -> None:
         """Post the sends of started requests, oldest first: those whose D2H copy is done, and

@@ -14,6 +14,10 @@ onto ``torch.cuda.Stream``/``Event`` (no CuPy). :class:`SimDevice` is the same c
 for tests: each stream is a FIFO of operations that run eagerly as soon as what they wait for has
 run, and a test can ``hold`` a stream (a slow GPU) to check that nothing runs out of order - a
 copy reads its source when it runs, not when it is enqueued, exactly as on a GPU.
+``SimDevice(lag=k)`` is asynchronous as a GPU is: an operation runs only ``k`` ticks after it was
+enqueued (a tick: each time the host enqueues or queries), so a host that stops touching the
+device while blocked elsewhere (in MPI) sees its copies still pending, and ``synchronize`` ticks
+until they are done.
 
 :class:`StagingPool` hands out byte buffers and takes them back with an event: a buffer is reused
 only once that event has completed (the copy out of it or into it has run).
@@ -89,9 +93,11 @@ class SimEvent(Event):
         return self.done
 
     def synchronize(self) -> None:
-        if not self.query():
-            raise StreamError(f"synchronize on an event of stream {self._stream.name!r}, which is "
-                              f"held or waits on a held stream: the host would block forever")
+        for _ in range(self._device.lag + 1):  # each query is a tick: the device gets there
+            if self.query():
+                return
+        raise StreamError(f"synchronize on an event of stream {self._stream.name!r}, which is "
+                          f"held or waits on a held stream: the host would block forever")
 
 
 class SimStream(Stream):
@@ -99,18 +105,18 @@ class SimStream(Stream):
 
     def __init__(self, device: "SimDevice", name: str) -> None:
         self._device, self.name = device, name
-        self._queue: deque[tuple[str, Any]] = deque()
+        self._queue: deque[tuple[str, Any, int]] = deque()  # (kind, item, due tick)
         self.held = False
 
     def _enqueue(self, kind: str, item: Any) -> None:
-        self._queue.append((kind, item))
+        self._queue.append((kind, item, self._device.clock + self._device.lag))
         self._device.pump()
 
     def _run_ready(self) -> bool:
         ran = False
         while self._queue and not self.held:
-            kind, item = self._queue[0]
-            if kind == "wait" and not item.done:
+            kind, item, due = self._queue[0]
+            if (kind == "wait" and not item.done) or due > self._device.clock:
                 break
             self._queue.popleft()
             if kind == "op":
@@ -144,11 +150,13 @@ class SimStream(Stream):
 
 
 class SimDevice(Device):
-    """CPU stand-in for a GPU: its "device" tensors are CPU tensors, its streams FIFOs."""
+    """CPU stand-in for a GPU: its "device" tensors are CPU tensors, its streams FIFOs.
+    ``lag``: ticks an operation waits after it is enqueued before it may run (0: at once)."""
 
     type = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, lag: int = 0) -> None:
+        self.lag, self.clock = lag, 0
         self.streams: list[SimStream] = []
         self.compute: SimStream = self.new_stream("compute")
 
@@ -161,7 +169,8 @@ class SimDevice(Device):
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def pump(self) -> None:
-        """Run every operation whose turn has come, across streams, until none can run."""
+        """One tick: run every operation whose turn has come, across streams, until none can."""
+        self.clock += 1
         while any([s._run_ready() for s in self.streams]):
             pass
 

@@ -191,6 +191,10 @@ class StageLink:
                      kmaps: Optional[dict] = None) -> list[Entry]:
         """Wait for the carry, receive its payloads; SparseTensors get ``context`` and share
         ``kmaps`` (a new dict if None), with the strided maps the header names rebuilt."""
+        # The peer may send this header only after receiving a payload of ours still held back
+        # (a staged send whose copy was running): hand those on while waiting.
+        while self.transport.progress() and not pending.request.test():
+            pass
         pending.request.wait()
         length = int(pending.header[:8].view(torch.int64)[0])
         meta = json.loads(bytes(pending.header[8:8 + length].tolist()).decode())

@@ -405,6 +405,40 @@ def test_stage_link_round_trip(comm):
             r.wait()
 
 
+def test_a_rank_waiting_for_a_header_hands_on_its_held_back_payloads(comm):
+    """Rank 1 sends gradients, then waits for a carry header; rank 0 sends that carry only once
+    it has the gradients. With payloads host-staged on a device whose copies lag (as a GPU's),
+    the gradients' send is still held back when rank 1 starts waiting: it must hand it on
+    while waiting (StageLink.finish_carry -> Transport.progress), else both wait forever."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    from halo.transport.mpi import MPITransport
+    from halo.transport.staged import StagedTransport
+    from halo.transport.streams import SimDevice
+    from sparsepipe_hpc.pipeline.p2p import StageLink
+
+    pair = comm.Split(int(comm.rank > 1), comm.rank)  # collective: before any rank returns
+    if comm.rank > 1:
+        return
+    dev = SimDevice(lag=5)
+    link = StageLink(StagedTransport(MPITransport(pair.Dup()), dev), MPITransport(pair.Dup()))
+    dense = torch.arange(6.0).reshape(2, 3).requires_grad_()
+    if comm.rank == 0:
+        grads = link.finish_grads(link.post_grads(1, 0, [dense]))
+        sends = link.send_carry(1, 1, [dense.detach()])
+        for r in sends:
+            r.wait()
+        dev.compute.record().synchronize()  # the host reads what the compute stream waited for
+        assert torch.equal(grads[0], torch.full((2, 3), 5.0))
+    else:
+        sends = link.send_grads(0, 0, [torch.full((2, 3), 5.0)])
+        got = link.finish_carry(link.post_carry(0, 1))
+        for r in sends:
+            r.wait()
+        dev.compute.record().synchronize()
+        assert torch.equal(got[0], dense.detach())
+
+
 def slot_bytes(model, x):
     """(activation, gradient) payload bytes of every carry slot of the serial model on ``x``
     (slot ids as plan_carry numbers them: the input is 0, then every push in block order); a

@@ -84,3 +84,34 @@ def test_receive_waits_for_earlier_readers_on_the_compute_stream(comm):
 def test_nothing_to_do(comm):
     tr = StagedTransport(MPITransport(comm), SimDevice())
     assert tr.start([], [], tag=1).test()
+
+
+def test_a_send_started_after_the_awaited_receive_still_goes_out(comm):
+    """The pattern of a 1F1B stage with warm-up 2 (stage 0 of 3 stages): send act 0, post the
+    receive of grad 0, send act 1, then wait for grad 0. Its peer needs act 1 before it sends
+    grad 0. On a GPU act 1's D2H copy is still running when its send starts, so the send is
+    held back; the waiting rank must still post it once the copy is done (SimDevice(lag):
+    copies finish later, as on a GPU) instead of blocking in MPI with it unsent: a deadlock."""
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    if comm.rank > 1:
+        return
+    dev = SimDevice(lag=5)
+    tr = StagedTransport(MPITransport(comm), dev)
+    if comm.rank == 0:
+        act0, act1, grad0 = torch.full((3,), 1.0), torch.full((3,), 2.0), torch.zeros(3)
+        sends = [tr.start([(1, act0)], [], tag=1)]
+        recv = tr.start([], [(1, grad0)], tag=2)
+        sends.append(tr.start([(1, act1)], [], tag=1))
+        recv.wait()
+        dev.compute.record().synchronize()  # the host reads what the compute stream waited for
+        assert grad0.eq(3.0).all()
+        for r in sends:
+            r.wait()
+    else:
+        got0, got1 = torch.zeros(3), torch.zeros(3)
+        tr.start([], [(0, got0)], tag=1).wait()
+        tr.start([], [(0, got1)], tag=1).wait()
+        dev.compute.record().synchronize()
+        assert got0.eq(1.0).all() and got1.eq(2.0).all()
+        tr.start([(0, got0 + got1)], [], tag=2).wait()
