@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from halo.transport.collectives import bcast_
 from sparsepipe_hpc.data import ShardedBatches
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.layout import RankLayout
@@ -80,13 +81,26 @@ def sync_stages(model: Any, optimizer: torch.optim.Optimizer, pipe: Optional[Pip
         a, b = plan.blocks
         blocks = model.blocks[a:b]
         for t in list(blocks.parameters()) + list(blocks.buffers()):
-            comm.Bcast(t.detach().view(-1).numpy(), root=layout.rank_of(0, s, 0))
+            bcast_(t, comm, root=layout.rank_of(0, s, 0))  # device tensors through the host
     pos = ctx.position
-    mine = optimizer.state_dict() if pos.replica == 0 and pos.spatial == 0 else None
+    # On the host: rank 0 need not hold every stage's state on its GPU, nor see another
+    # rank's device index (each rank may see only its own GPU).
+    mine = _on_host(optimizer.state_dict()) if pos.replica == 0 and pos.spatial == 0 else None
     got = comm.gather(mine, root=0)
     if comm.Get_rank() != 0:
         return None
     return [got[layout.rank_of(0, s, 0)] for s in range(layout.stages)]
+
+
+def _on_host(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with every tensor copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _on_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_host(v) for v in obj)
+    return obj
 
 
 def write_checkpoint(path: Path, state: TrainState, *, rng: list[Any],

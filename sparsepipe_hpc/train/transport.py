@@ -19,6 +19,7 @@ stream) and this IPC transport (a sender waits for its receiver) could block eac
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -27,7 +28,7 @@ from halo.transport.base import Reducer, Transport, TransportError
 from halo.transport.select import choose_transport, make_reducer, make_transport
 from sparsepipe_hpc.train.config import ConfigError
 
-__all__ = ["trainer_transport", "device_comm", "DeviceComm"]
+__all__ = ["trainer_transport", "device_comm", "DeviceComm", "check_mpi_threads"]
 
 
 def _nccl_imports() -> bool:
@@ -49,6 +50,14 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
         try:
             if device.type != "cuda":
                 return choose_transport(cfg.transport, "cpu")
+            check_mpi_threads(comm)
+            moves_device_tensors = math.prod(cfg.grid or (1, 1, 1)) > 1 or cfg.stages > 1
+            if cfg.transport == "mpi" and moves_device_tensors:
+                raise ConfigError(
+                    "--transport mpi moves host tensors only, but with --device cuda the "
+                    f"{'--grid halos' if cfg.stages == 1 else '--stages transfers'} move device "
+                    "tensors between ranks; pass --transport staged (any MPI), ipc or nccl, "
+                    "or auto")
             if cfg.transport == "auto":
                 return "staged"
             from launch.env import detect
@@ -63,6 +72,27 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
         return str(agree(comm, pick))
     except SetupError as e:  # the same ConfigError on every rank, whichever rank found it
         raise ConfigError(str(e)) from None
+
+
+def check_mpi_threads(comm: Any) -> None:
+    """Raise ConfigError unless MPI may be called from a thread other than the main one, as a
+    CUDA run with several ranks does: autograd runs the backward of CUDA operations on a thread
+    of its own, and that backward calls MPI (gradient buckets, BatchNorm statistics, halo
+    adjoints). One call at a time (MPI_THREAD_SERIALIZED) is enough."""
+    if comm.Get_size() == 1:
+        return
+    from mpi4py import MPI
+
+    names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+             MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+             MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_SERIALIZED:
+        raise ConfigError(
+            f"--device cuda with {comm.Get_size()} ranks calls MPI from autograd's CUDA thread, "
+            f"which needs MPI_THREAD_SERIALIZED or more, but MPI was initialized with "
+            f"{names.get(level, level)}; leave mpi4py.rc.thread_level at 'multiple' (its "
+            f"default) before importing mpi4py.MPI, or use an MPI built with thread support")
 
 
 class DeviceComm(NamedTuple):

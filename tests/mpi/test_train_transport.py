@@ -1,5 +1,6 @@
 """--transport in the trainer under real mpirun: auto is mpi on the CPU and the start-up line
-names it; a device transport on a CPU run is the same ConfigError on every rank."""
+names it; a device transport on a CPU run is the same ConfigError on every rank, and so are
+the CUDA-only rules that need no GPU to check."""
 
 from __future__ import annotations
 
@@ -42,6 +43,33 @@ def test_device_transport_without_cuda_is_a_config_error_on_every_rank(comm, sha
     cfg = parse_config(argv(shared, "--transport", name))  # --device auto: known at start-up
     with pytest.raises(ConfigError, match=f"--transport {name} moves CUDA device tensors"):
         Trainer(cfg, comm, log=None)
+
+
+def test_cuda_checks_that_need_no_gpu_are_config_errors_on_every_rank(comm, shared,
+                                                                     monkeypatch):
+    """On a CUDA device (resolved, not touched): --transport mpi cannot move a grid's halos or
+    a pipeline's carries (device tensors), but serves data parallelism (its collectives stage
+    through the host); several ranks need an MPI that autograd's CUDA thread may call."""
+    from sparsepipe_hpc.train.transport import trainer_transport
+
+    cuda = torch.device("cuda", 0)
+    assert trainer_transport(parse_config(argv(shared, "--transport", "mpi")), cuda,
+                             comm) == "mpi"
+    assert trainer_transport(parse_config(argv(shared)), cuda, comm) == "staged"
+    if comm.size > 1:
+        layouts = [("--grid", f"{comm.size},1,1", "--grid halos")]
+        if comm.size % 2 == 0:
+            layouts.append(("--stages", "2", "--stages transfers"))
+        for flag, value, what in layouts:
+            cfg = parse_config(argv(shared, "--transport", "mpi", flag, value))
+            with pytest.raises(ConfigError, match=f"^--transport mpi moves host tensors only, "
+                                                  f"but with --device cuda the {what}"):
+                trainer_transport(cfg, cuda, comm)
+        monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_FUNNELED)
+        with pytest.raises(ConfigError, match=f"--device cuda with {comm.size} ranks calls MPI "
+                                              "from autograd's CUDA thread, .* "
+                                              "MPI_THREAD_FUNNELED"):
+            trainer_transport(parse_config(argv(shared)), cuda, comm)
 
 
 def test_the_trainer_hands_its_transport_and_reducer_to_the_parallel_context(comm, shared,
