@@ -71,6 +71,28 @@ def test_spconv_subm_map_on_gpu_equals_cpu(gen, dtype):
     torch.testing.assert_close(gw.float().cpu(), ref_gw, rtol=2e-2, atol=2e-1)
 
 
+def test_two_layers_sharing_one_subm_map_each_get_their_own_gradients(gen):
+    """Every submanifold layer of one stride shares one SubmMap, and the implicit GEMM's
+    backward reuses the mask its forward stored there, keyed by weight shape and dtype: two
+    same-shape layers (a residual unit) run forward 1, forward 2, backward 2, backward 1, and
+    each must get its own gradients (the mask may depend on the indices only, not the data)."""
+    from sparsepipe_hpc.engine.spconv_subm import subm_backward, subm_forward, subm_map
+
+    x = random_cloud(gen, 3000, channels=16, dtype=torch.float32)
+    km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
+    m = subm_map(x.coords.cuda(), x.spatial_shape, x.batch_size, 3, 1)
+    ref = get_engine("torch")
+    layers = [(torch.randn(km.n_in, 16, generator=gen), torch.randn(16, 27, 16, generator=gen) / 20,
+               torch.randn(km.n_out, 16, generator=gen)) for _ in range(2)]
+    outs = [subm_forward(f.cuda(), w.cuda(), m) for f, w, _ in layers]
+    grads = [subm_backward(f.cuda(), w.cuda(), g.cuda(), m) for f, w, g in reversed(layers)][::-1]
+    for (f, w, g), y, (gi, gw) in zip(layers, outs, grads):
+        ref_gi, ref_gw = ref.backward(f, w, g, km)
+        torch.testing.assert_close(y.cpu(), ref.forward(f, w, km), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(gi.cpu(), ref_gi, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(gw.cpu(), ref_gw, rtol=2e-2, atol=2e-1)
+
+
 def test_unet_under_autocast_on_gpu(gen):
     x = random_cloud(gen, 4000, shape=(32, 32, 32), channels=3, dtype=torch.float32)
     torch.manual_seed(0)
