@@ -152,3 +152,15 @@ def test_sparse_tensor_contract_errors():
         SparseTensor(c, f, (1 << 17, 4, 4), 1)
     with pytest.raises(SparseTensorError, match=r"coordinate z spans \[3, 3\] but must lie in \[0, 2\]"):
         SparseTensor(c, f, (4, 4, 3), 1).validate_bounds()
+
+
+def test_batchnorm_of_fewer_than_two_voxels_is_an_error_naming_the_count():
+    from sparsepipe_hpc.nn.functional import batch_norm
+
+    c = 3
+    args = (torch.ones(c), torch.zeros(c), torch.zeros(c), torch.ones(c), True, 0.1, 1e-5)
+    for n in (0, 1):
+        with pytest.raises(ValueError, match=f"BatchNorm needs at least 2 voxels over the group; "
+                                             f"got {n}"):
+            batch_norm(torch.randn(n, c), *args)
+    assert batch_norm(torch.randn(2, c), *args).shape == (2, c)

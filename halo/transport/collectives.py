@@ -34,8 +34,8 @@ import torch
 
 from halo.transport.base import CompletedRequest, Reducer, Request, TransportError
 
-__all__ = ["ReduceGroup", "allreduce_", "iallreduce_", "bcast_", "allgatherv", "mpi_op",
-           "mpi_types", "raw_buffer"]
+__all__ = ["ReduceGroup", "allreduce_", "iallreduce_", "bcast_", "allgatherv", "group_size",
+           "mpi_op", "mpi_types", "raw_buffer"]
 
 _OPS = ("sum", "max", "min")
 
@@ -104,7 +104,8 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", dt).contiguous()
 
 
-def _size(comm: Any) -> int:
+def group_size(comm: Any) -> int:
+    """Ranks of ``comm`` (a communicator, None: 1, or a :class:`ReduceGroup`)."""
     comm = comm.comm if isinstance(comm, ReduceGroup) else comm
     return 1 if comm is None else int(comm.Get_size())
 
@@ -114,7 +115,7 @@ def allreduce_(t: torch.Tensor, comm: Any, op: str = "sum") -> torch.Tensor:
     :class:`ReduceGroup`); returns ``t`` (no-op when comm is None or has one rank). On a
     reducer's device the compute stream, not the host, waits for the result."""
     MPI_op = mpi_op(op)
-    if _size(comm) == 1:
+    if group_size(comm) == 1:
         return t
     comm, reducer = _route(comm, t)
     if reducer is not None:
@@ -170,7 +171,7 @@ def iallreduce_(t: torch.Tensor, comm: Any, op: str = "sum") -> Request:
     them in the same order everywhere, and keep blocking collectives on that communicator from
     interleaving with them differently on different ranks (give them a ``comm.Dup()``)."""
     MPI_op = mpi_op(op)
-    if _size(comm) == 1:
+    if group_size(comm) == 1:
         return CompletedRequest()
     comm, reducer = _route(comm, t)
     if reducer is not None:
@@ -182,7 +183,7 @@ def iallreduce_(t: torch.Tensor, comm: Any, op: str = "sum") -> Request:
 
 def bcast_(t: torch.Tensor, comm: Any, root: int = 0) -> torch.Tensor:
     """Broadcast ``t`` in place from ``root`` of ``comm``; any dtype (sent as bytes)."""
-    if _size(comm) == 1:
+    if group_size(comm) == 1:
         return t
     comm = _route(comm, t)[0]
     byte = _mpi().BYTE
@@ -211,7 +212,7 @@ def allgatherv(t: torch.Tensor, comm: Any) -> torch.Tensor:
     comm = _route(comm, t)[0]
     row = tuple(t.shape[1:])
     n = int(t.shape[0]) if t.dim() else None
-    metas = [(n, row, str(t.dtype))] if _size(comm) == 1 else \
+    metas = [(n, row, str(t.dtype))] if group_size(comm) == 1 else \
         comm.allgather((n, row, str(t.dtype)))
     scalar = [r for r, m in enumerate(metas) if m[0] is None]
     if scalar:  # checked after the allgather, so every rank raises, not only the odd one

@@ -18,6 +18,7 @@ import torch
 
 from halo.kmap import KernelMap, coord_keys
 from halo.transport.collectives import allreduce_  # re-exported: its home is the transport layer
+from halo.transport.collectives import group_size
 from sparsepipe_hpc.engine.base import Engine
 from sparsepipe_hpc.nn.amp import LOW_PRECISION, autocast_inputs
 
@@ -57,17 +58,18 @@ class _BatchNorm(torch.autograd.Function):
                 stats_out):
         if training:
             xd = x.double()
-            stats = torch.cat([xd.sum(0), (xd * xd).sum(0),
-                               torch.tensor([float(len(x))], dtype=torch.float64,
-                                            device=x.device)])
+            # The count by a fill kernel, not a host tensor copied over (a device sync on CUDA)
+            count = torch.full((1,), float(len(x)), dtype=torch.float64, device=x.device)
+            stats = torch.cat([xd.sum(0), (xd * xd).sum(0), count])
             allreduce_(stats, comm)
             c = x.shape[1]
             n = stats[-1]
-            if n < 2:
-                raise ValueError(f"BatchNorm needs at least 2 voxels over the group; got {int(n)}")
+            # The group's count on the host: one rank knows it without waiting for the device
+            n_host = float(len(x)) if group_size(comm) == 1 else float(n)
+            _check_count(n_host)
             mean, var = _moments(stats, c)
             if stats_out is None:
-                update_running_stats(stats, running_mean, running_var, momentum)
+                update_running_stats(stats, running_mean, running_var, momentum, count=n_host)
             else:  # deferred: the caller folds the mini-batch's sums in once (BatchNorm.commit)
                 stats_out.add_(stats.to(stats_out.dtype))
             mean, var = mean.to(x.dtype), var.to(x.dtype)
@@ -102,15 +104,21 @@ def _moments(stats: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, (stats[c:2 * c] / n - mean * mean).clamp_(min=0)
 
 
-def update_running_stats(stats: torch.Tensor, running_mean: torch.Tensor,
-                         running_var: torch.Tensor, momentum: float) -> None:
-    """Fold one batch's ``stats = [sum x (C), sum x^2 (C), count (1)]`` (float64, already
-    reduced over the group) into the running statistics, as torch's BatchNorm does: momentum
-    average of the mean and of the unbiased variance."""
-    c = running_mean.shape[0]
-    n = stats[-1]
+def _check_count(n: float) -> None:
     if n < 2:
         raise ValueError(f"BatchNorm needs at least 2 voxels over the group; got {int(n)}")
+
+
+def update_running_stats(stats: torch.Tensor, running_mean: torch.Tensor,
+                         running_var: torch.Tensor, momentum: float,
+                         count: Optional[float] = None) -> None:
+    """Fold one batch's ``stats = [sum x (C), sum x^2 (C), count (1)]`` (float64, already
+    reduced over the group) into the running statistics, as torch's BatchNorm does: momentum
+    average of the mean and of the unbiased variance. ``count``: ``stats[-1]`` when the caller
+    has it on the host (else it is read from ``stats``, a device sync on CUDA)."""
+    c = running_mean.shape[0]
+    n = stats[-1]
+    _check_count(float(n) if count is None else count)
     mean, var = _moments(stats, c)
     with torch.no_grad():
         running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))

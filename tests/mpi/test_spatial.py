@@ -333,3 +333,17 @@ def test_bad_input_raises_on_every_rank(comm):
     xl, = ctx.distribute(thin)
     with pytest.raises(CutError):
         SubMConv3d(3, 2, 5).double()(xl)
+
+
+def test_batchnorm_counts_voxels_over_the_group_on_every_rank(comm):
+    """One voxel on rank 0 and none elsewhere: fewer than 2 over the group, the same error on
+    every rank; one voxel on every rank of 2+: enough."""
+    from sparsepipe_hpc.nn.functional import batch_norm
+
+    c = 3
+    args = (torch.ones(c), torch.zeros(c), torch.zeros(c), torch.ones(c), True, 0.1, 1e-5)
+    x = torch.randn(1 if comm.rank == 0 else 0, c, dtype=torch.float64)
+    with pytest.raises(ValueError, match="BatchNorm needs at least 2 voxels over the group; got 1"):
+        batch_norm(x, *args, comm=comm)
+    if comm.size > 1:
+        assert batch_norm(torch.randn(1, c), *args, comm=comm).shape == (1, c)
