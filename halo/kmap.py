@@ -57,6 +57,12 @@ def lookup(table_keys_sorted: torch.Tensor, order: torch.Tensor,
     return torch.where(found, order[pos], torch.full_like(pos, -1))
 
 
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``, copied without synchronizing the device (a blocking
+    host-to-device copy waits for the stream)."""
+    return t.to(device, non_blocking=True)
+
+
 def kernel_offsets(kernel_size: int | Sequence[int]) -> torch.Tensor:
     """int64 [K, 3] kernel offsets (kx, ky, kz) in spconv's weight order."""
     ks = _triple(kernel_size)
@@ -144,9 +150,9 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
     looked up together (default: all that fit a work-array budget on a GPU, one on the CPU); the
     map is the same for any value.
     """
-    s, p, d = (torch.tensor(_triple(v), dtype=torch.int64, device=out_coords.device)
+    s, p, d = (_on(torch.tensor(_triple(v), dtype=torch.int64), out_coords.device)
                for v in (stride, padding, dilation))
-    offsets = kernel_offsets(kernel_size).to(out_coords.device)
+    offsets = _on(kernel_offsets(kernel_size), out_coords.device)
     keys = coord_keys(in_coords)
     sorted_keys, order = torch.sort(keys)
     out = out_coords.long()
@@ -179,22 +185,30 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
 
 def output_coords(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
                   stride: int | Sequence[int], padding: int | Sequence[int],
-                  dilation: int | Sequence[int], out_shape: Sequence[int]) -> torch.Tensor:
+                  dilation: int | Sequence[int], out_shape: Sequence[int], *,
+                  offsets_per_pass: Optional[int] = None) -> torch.Tensor:
     """Active outputs of a strided (non-submanifold) convolution: int32 [M, 4], sorted by key.
 
     An output ``o`` in ``[0, out_shape)`` is active when some input reaches it, i.e.
     ``o = (i + padding - offset * dilation) / stride`` is integral for an input ``i``.
+    ``offsets_per_pass``: as in :func:`kernel_map`; the result is the same for any value.
     """
-    s, p, d = (torch.tensor(_triple(v), dtype=torch.int64, device=in_coords.device)
+    dev = in_coords.device
+    s, p, d = (_on(torch.tensor(_triple(v), dtype=torch.int64), dev)
                for v in (stride, padding, dilation))
-    shape = torch.tensor(list(out_shape), dtype=torch.int64, device=in_coords.device)
+    shape = _on(torch.tensor(list(out_shape), dtype=torch.int64), dev)
+    offsets = _on(kernel_offsets(kernel_size), dev)
     c = in_coords.long()
+    # Offsets in groups, as in kernel_map: on a GPU one boolean selection (one host sync) per
+    # group bounded by _QUERY_BLOCK, not one per offset; on the CPU one offset at a time.
+    group = offsets_per_pass or (max(1, _QUERY_BLOCK // max(len(c), 1)) if c.is_cuda else 1)
     cands = []
-    for off in kernel_offsets(kernel_size).to(in_coords.device):
-        num = c[:, 1:] + p - off * d
+    for g0 in range(0, len(offsets), group):
+        off = offsets[g0:g0 + group]
+        num = c[None, :, 1:] + p - (off * d)[:, None]                     # [g, N, 3]
         o = torch.div(num, s, rounding_mode="floor")
-        ok = ((o * s == num) & (o >= 0) & (o < shape)).all(1)
-        cands.append(torch.cat([c[ok, :1], o[ok]], 1))
+        ok = ((o * s == num) & (o >= 0) & (o < shape)).all(2)             # [g, N]
+        cands.append(torch.cat([c[None, :, :1].expand(len(off), -1, -1)[ok], o[ok]], 1))
     if not cands:
         return torch.zeros(0, 4, dtype=torch.int32, device=in_coords.device)
     allc = torch.cat(cands)

@@ -151,6 +151,11 @@ def test_kernel_map_is_the_same_for_any_offsets_per_pass(gen, args):
         assert torch.equal(km.out_rows, ref.out_rows)
     empty = kernel_map(x.coords[:0], out, *args, offsets_per_pass=5)
     assert empty.num_pairs == 0 and empty.num_offsets == args[0] ** 3
+    if args[1] > 1:  # the strided outputs too: the same set for any grouping of offsets
+        for per_pass in (2, 5, 1000):
+            assert torch.equal(output_coords(x.coords, *args, (8, 8, 8),
+                                             offsets_per_pass=per_pass), out)
+        assert output_coords(x.coords[:0], *args, (8, 8, 8), offsets_per_pass=5).shape == (0, 4)
 
 
 def test_select_keeps_csr_by_offset(gen):
