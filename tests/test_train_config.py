@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_defaults_by_task():
     seg = parse_config([])
     assert (seg.task, seg.model, seg.grid, seg.engine, seg.threads) == ("seg", "unet", (1, 1, 1),
-                                                                          "auto", 1)
+                                                                          "auto", None)
     assert seg.batch_size == TASK_DEFAULTS["seg"]["batch_size"]
     cls = parse_config(["--task", "cls"])
     assert cls.model == "resnet" and cls.voxel_size == TASK_DEFAULTS["cls"]["voxel_size"]

@@ -186,3 +186,18 @@ def test_bf16_start_line_says_when_spconv_computes_in_float32(data, tmp_path, en
                  engine), MPI.COMM_SELF, log=said.append).run()
     assert ("spconv has no bfloat16: its convolutions run in float32; fp16 runs its fast "
             "kernels" in said[0]) is note, said[0]
+
+
+def test_compute_threads_by_device(monkeypatch):
+    """--threads wins; else 1 on a CPU (spconv's CPU kernels, ranks sharing cores), and on a GPU
+    the rank's share of the node's cores for the host-side data work."""
+    from sparsepipe_hpc.train import device as dev
+
+    monkeypatch.setenv("SPARSEPIPE_THREADS", "3")  # launch.env's override of the node's share
+    assert dev.compute_threads(parse_config(["--threads", "2"]), MPI.COMM_SELF) == 2
+    assert dev.compute_threads(parse_config(["--device", "cpu"]), MPI.COMM_SELF) == 1
+    monkeypatch.setattr(dev, "cuda_device_count", lambda: 0)
+    assert dev.compute_threads(parse_config([]), MPI.COMM_SELF) == 1  # auto without a GPU
+    monkeypatch.setattr(dev, "cuda_device_count", lambda: 1)
+    assert dev.compute_threads(parse_config([]), MPI.COMM_SELF) == 3
+    assert dev.compute_threads(parse_config(["--device", "cuda"]), MPI.COMM_SELF) == 3

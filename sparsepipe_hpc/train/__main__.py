@@ -44,6 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from sparsepipe_hpc.parallel.layout import LayoutError
     from sparsepipe_hpc.train.checkpoint import CheckpointError
     from sparsepipe_hpc.train.config import ConfigError, parse_config, resolve_layout
+    from sparsepipe_hpc.train.device import compute_threads
     from sparsepipe_hpc.train.agreement import SetupError, agree, check_same
     from sparsepipe_hpc.train.loop import Trainer
     from sparsepipe_hpc.train.output import OutputError
@@ -63,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from sparsepipe_hpc.plan.auto import auto_plan
             cfg = auto_plan(cfg, comm)
         resolve_layout(cfg, comm.Get_size())  # the batch/replica checks, before any collective
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(compute_threads(cfg, comm))
         install_sigterm_handler()  # flag only: the loop agrees on it and checkpoints collectively
         trainer = Trainer(cfg, comm)
     except user_errors as e:

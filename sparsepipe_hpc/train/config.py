@@ -97,7 +97,7 @@ class TrainConfig:
     engine: str = "auto"
     device: str = "auto"
     precision: str = "fp32"
-    threads: int = 1
+    threads: Optional[int] = None  # None: sparsepipe_hpc.train.device.compute_threads
     grad_bucket_mb: float = 4.0
     transport: str = "auto"
     augment: bool = True
@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
                    help="overlap halo exchange with the interior convolution (default on)")
     g.add_argument("--threads", type=_positive_int, metavar="N", help="compute threads per rank "
-                   "(default 1; spconv's CPU kernels always run on one)")
+                   "(default 1 on CPU; on a GPU the rank's share of the node's cores, for the "
+                   "host-side data work; spconv's CPU kernels always run on one)")
     g.add_argument("--grad-bucket-mb", type=_nonneg_float, metavar="MB", help="gradient "
                    "all-reduce in buckets of this many MiB, each started during backward as soon "
                    "as its gradients are final (default 4); 0: one flat all-reduce after backward")

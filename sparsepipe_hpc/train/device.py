@@ -32,6 +32,7 @@ import torch
 from sparsepipe_hpc.train.config import ConfigError
 
 __all__ = ["DEVICES", "PRECISIONS", "resolve_device", "trainer_device", "cuda_device_count",
+           "compute_threads",
            "AgreedGradScaler", "Precision", "move_tensor"]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -74,6 +75,21 @@ def resolve_device(name: str, local_rank: int = 0, count: Optional[int] = None) 
     if count is None:  # a real device: make it current, as launch.device.bind_gpu does
         torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def compute_threads(cfg: Any, comm: Any) -> int:
+    """Torch threads per rank for ``--threads`` (None: by device). On a CPU 1: ranks share the
+    cores, and spconv's CPU kernels are only correct on one. On a GPU the rank's share of the
+    node's cores (:func:`launch.env.threads_per_rank`): the host reads and voxelizes each step's
+    samples while the device waits. **Collective** when it falls to splitting ``comm``."""
+    if cfg.threads is not None:
+        return int(cfg.threads)
+    if cfg.device == "cpu":
+        return 1
+    from launch.env import detect, threads_per_rank
+
+    placement = detect(comm)  # on every rank alike (cfg agreed), whether it sees a GPU or not
+    return threads_per_rank(placement) if cuda_device_count() > 0 else 1
 
 
 def trainer_device(cfg: Any, comm: Any) -> torch.device:
