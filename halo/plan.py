@@ -221,18 +221,21 @@ def _input_problem(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, stride: 
         return f"coords has dtype {coords.dtype}; expected int32"
     if len(coords):
         g = cuts.locate(coords[:, 1:], stride)
-        bad = (g != torch.tensor(grid.coords, device=g.device)).any(1)
-        if bad.any():
+        mine = torch.tensor(grid.coords).to(g.device, non_blocking=True)
+        bad = (g != mine).any(1)
+        keys, order = torch.sort(coord_keys(coords))
+        dup = keys[1:] == keys[:-1]
+        n_bad, n_dup = torch.stack([bad.sum(), dup.sum()]).tolist()  # one host sync for both
+        if n_bad:
             row = int(torch.nonzero(bad)[0])
             return (f"coords row {row} is {coords[row].tolist()}, owned by grid position "
                     f"{tuple(g[row].tolist())}, not by this rank's {grid.coords} (stride {stride}, "
-                    f"{int(bad.sum())} such rows); pass the voxels this rank owns (halo.distribute)")
-        keys, order = torch.sort(coord_keys(coords))
-        dup = torch.nonzero(keys[1:] == keys[:-1]).reshape(-1)
-        if len(dup):
-            i, j = sorted((int(order[dup[0]]), int(order[dup[0] + 1])))
+                    f"{n_bad} such rows); pass the voxels this rank owns (halo.distribute)")
+        if n_dup:
+            first = int(torch.nonzero(dup)[0])
+            i, j = sorted((int(order[first]), int(order[first + 1])))
             return (f"coords rows {i} and {j} are the same voxel {coords[i].tolist()} "
-                    f"({len(dup)} duplicates); rows must be unique")
+                    f"({n_dup} duplicates); rows must be unique")
     return ""
 
 
