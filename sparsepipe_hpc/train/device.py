@@ -32,8 +32,7 @@ import torch
 from sparsepipe_hpc.train.config import ConfigError
 
 __all__ = ["DEVICES", "PRECISIONS", "resolve_device", "trainer_device", "cuda_device_count",
-           "compute_threads",
-           "AgreedGradScaler", "Precision", "move_tensor"]
+           "compute_threads", "AgreedGradScaler", "Precision", "move_tensor"]
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16", "fp16")
