@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ from sparsepipe_hpc.plan.probes import synthetic_batch
 from sparsepipe_hpc.plan.profile import BlockProfile, Fit, ModelProfile
 from sparsepipe_hpc.plan.search import evaluate
 from sparsepipe_hpc.plan.split import (SplitFit, SplitRow, box_imbalance, busiest_box, fit_split,
-                                       split_probe)
+                                       nnls, split_probe)
 
 LINK = Link(alpha=1e-4, beta=1e-9)
 
@@ -44,6 +45,25 @@ def test_fit_split_recovers_known_coefficients():
     for g, t in zip(got, truth):
         assert (g.c, g.a, g.b) == pytest.approx((t.c, t.a, t.b), rel=1e-6, abs=1e-12)
     assert fit_split([], 2) == (SplitFit(), SplitFit())
+
+
+def test_nnls_by_hand_where_the_bound_binds():
+    # y = 2 - x1 on x1 in {0, 1, 2} with columns [1, x1]: unconstrained (2, -1); x1 >= 0 binds,
+    # so the answer is the best constant alone, the mean 1.
+    a = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
+    assert nnls(a, np.array([2.0, 1.0, 0.0])) == pytest.approx([1.0, 0.0])
+    assert nnls(a, np.array([-1.0, -1.0, -1.0])) == pytest.approx([0.0, 0.0])  # nothing helps
+
+
+def test_nnls_equals_scipys(rng):
+    optimize = pytest.importorskip("scipy.optimize")
+    for _ in range(50):
+        a = rng.standard_normal((rng.integers(3, 9), 3))
+        y = rng.standard_normal(len(a))
+        ours, theirs = nnls(a, y), optimize.nnls(a, y)[0]
+        assert np.linalg.norm(a @ ours - y) == pytest.approx(np.linalg.norm(a @ theirs - y),
+                                                             rel=1e-9, abs=1e-12)
+        assert ours == pytest.approx(theirs, abs=1e-8)
 
 
 def test_busiest_box_and_imbalance_by_hand():

@@ -46,8 +46,8 @@ from sparsepipe_hpc.plan.cost import surface_voxels
 from sparsepipe_hpc.plan.probes import clock, visit_halo_convs
 from sparsepipe_hpc.sparse import SparseTensor
 
-__all__ = ["SplitFit", "SplitRow", "split_probe", "fit_split", "box_imbalance", "busiest_box",
-           "PROBE_GRIDS"]
+__all__ = ["SplitFit", "SplitRow", "split_probe", "fit_split", "nnls", "box_imbalance",
+           "busiest_box", "PROBE_GRIDS"]
 
 #: Grids the profiler plays by default: one, two and three split axes.
 PROBE_GRIDS: tuple[tuple[int, int, int], ...] = ((2, 1, 1), (2, 2, 1), (2, 2, 2))
@@ -175,19 +175,36 @@ def split_probe(blocks: Sequence[Any], x: SparseTensor, grids: Sequence[Sequence
     return rows
 
 
+def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin ||a x - y|| over x >= 0, for a [m, n] with few columns (n <= ~10).
+
+    Exact, by the KKT conditions: the optimum is the least-squares solution on its own support,
+    so it is the best of the non-negative least-squares solutions over every column subset
+    (2^n small solves; scipy's iterative NNLS is not needed, nor scipy)."""
+    n = a.shape[1]
+    best, best_err = np.zeros(n), float(np.sum(y * y))
+    for size in range(1, n + 1):
+        for cols in itertools.combinations(range(n), size):
+            sub = np.linalg.lstsq(a[:, cols], y, rcond=None)[0]
+            if np.all(sub >= 0):
+                x = np.zeros(n)
+                x[list(cols)] = sub
+                err = float(np.sum((a @ x - y) ** 2))
+                if err < best_err:
+                    best, best_err = x, err
+    return best
+
+
 def fit_split(rows: Sequence[SplitRow], blocks: int) -> tuple[SplitFit, ...]:
     """Per block, ``c, a, b >= 0`` minimising the squared error of ``c + a v + b s`` over
-    ``rows`` (scipy's NNLS; columns scaled to unit size first). No rows: zero fits."""
+    ``rows`` (:func:`nnls`; columns scaled to unit size first). No rows: zero fits."""
     if not rows:
         return tuple(SplitFit() for _ in range(blocks))
-    from scipy.optimize import nnls
-
     design = np.array([[1.0, r.box_voxels, r.surface] for r in rows])
     scale = np.maximum(np.abs(design).max(0), 1e-30)
     out = []
     for k in range(blocks):
         y = np.array([r.extra[k] for r in rows])
-        coef, _ = nnls(design / scale, y)
-        c, a, b = (float(v) for v in coef / scale)
+        c, a, b = (float(v) for v in nnls(design / scale, y) / scale)
         out.append(SplitFit(c, a, b) if all(map(math.isfinite, (c, a, b))) else SplitFit())
     return tuple(out)
