@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -77,19 +78,23 @@ def test_ci_and_readme_install_the_cpu_build():
 
 def test_cli_with_two_spconv_builds_exits_2(tmp_path):
     """A second build's metadata on the path (as `pip install spconv-cu126` over `spconv`
-    leaves it): the trainer stops before any work with the message, exit status 2."""
+    leaves it, or the reverse on a GPU machine): the trainer stops before any work with the
+    message, exit status 2."""
     import os
     import subprocess
 
-    info = tmp_path / "site" / "spconv_cu126-2.3.8.dist-info"
+    installed = check_spconv(required=True)
+    other, version = ("spconv-cu126", "2.3.8") if installed == "spconv" else ("spconv", "2.3.8")
+    info = tmp_path / "site" / f"{other.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: spconv-cu126\nVersion: 2.3.8\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {other}\nVersion: {version}\n")
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path / "site")]))
     proc = subprocess.run([sys.executable, "-m", "sparsepipe_hpc.train", "--steps", "1",
                            "--out", str(tmp_path / "run")], env=env, capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert ("sparsepipe_hpc.train: error: spconv is installed more than once: spconv 2.3.8 "
-            "(CPU build) and spconv-cu126 2.3.8 (CUDA 12.6 build)") in proc.stderr
+    cpu_version = metadata.version("spconv") if installed == "spconv" else version
+    assert ("sparsepipe_hpc.train: error: spconv is installed more than once: "
+            f"spconv {cpu_version} (CPU build) and spconv-cu126 2.3.8 (CUDA 12.6 build)") in proc.stderr
     assert "Traceback" not in proc.stderr
