@@ -49,7 +49,15 @@ def test_unet_on_cuda_equals_serial(comm, name, engine):
     """float64 with the own engine (exact to rounding); float32 with spconv's CUDA kernels
     (implicit GEMM for the local part) to float32 tolerance."""
     dtype = torch.float64 if engine == "torch" else torch.float32
-    tol = TOL if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+
+    def close(actual, expected, **kw):
+        """float64: to rounding; float32: to 2e-4 relative, and absolute 2e-5 of the tensor's
+        largest value (float32 sums err with the magnitude of what they add up, so the small
+        entries of a weight gradient reaching ~100 are off by more than a fixed 2e-5)."""
+        top = float(expected.abs().amax()) if expected.numel() else 0.0
+        tol = TOL if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5 * max(1.0, top))
+        torch.testing.assert_close(actual.cpu().double(), expected, **tol, **kw)
+
     x = make_cloud(5, "random", batch=2)
     for grid in grids_for(comm):
         torch.manual_seed(0)
@@ -70,16 +78,14 @@ def test_unet_on_cuda_equals_serial(comm, name, engine):
         (ys.feats * r).sum().backward()
         rows = rows_of(ys.coords, yd.coords.cpu())
         (yd.feats * r[rows].to("cuda", dtype)).sum().backward()
-        torch.testing.assert_close(yd.feats.detach().cpu().double(), ys.feats[rows].detach(),
-                                   **tol)
+        close(yd.feats.detach(), ys.feats[rows].detach())
         in_rows = rows_of(x.coords, xl.coords)
-        torch.testing.assert_close(fd.grad.cpu().double(), fs.grad[in_rows], **tol)
+        close(fd.grad, fs.grad[in_rows])
         buckets = ctx.gradient_reducer(dist, 256)
         buckets.finish()  # the bucketed path (one-shot here), through the reducer
         buckets.close()
         for (n, ps), pd in zip(serial.named_parameters(), dist.parameters()):
-            torch.testing.assert_close(pd.grad.cpu().double(), ps.grad, **tol,
-                                       msg=lambda m: f"{n}: {m}")
+            close(pd.grad, ps.grad, msg=lambda m: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
