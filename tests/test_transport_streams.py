@@ -130,3 +130,25 @@ def test_importing_the_packages_does_not_import_cupy():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cupy'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("available", [False, True])
+def test_nccl_available_reads_cupys_flag_not_the_import(monkeypatch, available):
+    """CuPy built without NCCL still imports cupy.cuda.nccl (with available = False and no
+    functions): that import alone must not count as NCCL, or --transport nccl fails later with an
+    AttributeError instead of the ConfigError naming the remedy."""
+    import types
+
+    from halo.transport.nccl import NCCLTransport, nccl_available
+
+    cupy, cuda, nccl = (types.ModuleType(n) for n in ("cupy", "cupy.cuda", "cupy.cuda.nccl"))
+    nccl.available = available  # type: ignore[attr-defined]
+    cupy.cuda, cuda.nccl = cuda, nccl  # type: ignore[attr-defined]
+    for m in (cupy, cuda, nccl):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    assert nccl_available() is available
+    if not available:
+        with pytest.raises(TransportError, match=r"needs CuPy with NCCL .* has none"):
+            NCCLTransport(object(), SimDevice())
+        with pytest.raises(TransportError, match="--transport nccl needs CuPy with NCCL"):
+            choose_transport("nccl", "cuda", nccl=nccl_available())

@@ -26,7 +26,7 @@ from halo.transport.base import (CompletedRequest, Peers, Reducer, Request, Tran
                                  TransportError)
 from halo.transport.streams import Device, Event, Stream
 
-__all__ = ["NCCLTransport", "StreamRequest"]
+__all__ = ["NCCLTransport", "StreamRequest", "nccl_available"]
 
 
 class StreamRequest(Request):
@@ -43,6 +43,17 @@ class StreamRequest(Request):
         if not self._waited:
             self._compute.wait_event(self._done)
             self._waited = True
+
+
+def nccl_available() -> bool:
+    """Whether CuPy imports here with NCCL. ``import cupy.cuda.nccl`` alone does not say: CuPy
+    built without NCCL imports that module all the same, with ``available = False`` and no
+    functions (checked in CuPy 14)."""
+    try:  # imported on use only, never at module import
+        from cupy.cuda import nccl
+    except Exception:  # no CuPy, or a CuPy that cannot load its CUDA libraries
+        return False
+    return bool(getattr(nccl, "available", False))
 
 
 def _nccl_dtype(nccl: Any, t: torch.Tensor) -> Any:
@@ -62,6 +73,10 @@ class NCCLTransport(Transport, Reducer):
     and all-reduce on one NCCL communicator and stream."""
 
     def __init__(self, comm: Any, device: Device) -> None:
+        if not nccl_available():
+            raise TransportError("NCCLTransport needs CuPy with NCCL (cupy.cuda.nccl.available) "
+                                 "and this CuPy has none; install cupy-cuda12x/13x with NCCL, "
+                                 "or use the staged transport")
         from cupy.cuda import nccl  # on use only
 
         self._nccl = nccl

@@ -49,9 +49,9 @@ def choose_transport(name: str, device: Optional[str], nccl: bool = False,
     if name == "auto":
         return "ipc" if shared_gpu else ("nccl" if nccl else "staged")
     if name == "nccl" and not nccl:
-        raise TransportError("--transport nccl needs CuPy with NCCL (cupy.cuda.nccl) and it does "
-                             "not import here; install cupy-cuda12x/13x or pass --transport "
-                             "staged")
+        raise TransportError("--transport nccl needs CuPy with NCCL (cupy.cuda.nccl.available) "
+                             "and this machine has none; install cupy-cuda12x/13x or pass "
+                             "--transport staged")
     if name == "nccl" and shared_gpu:
         raise TransportError("--transport nccl: ranks of this node share a GPU and NCCL refuses "
                              "two ranks on one GPU ('Duplicate GPU detected'); pass --transport "

@@ -30,7 +30,6 @@ CPU tensors and the mpi4py transport) is what the test suite runs.
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import socket
 import statistics
@@ -39,6 +38,8 @@ import time
 from typing import Any, Callable
 
 import torch
+
+from halo.transport.nccl import nccl_available
 
 __all__ = ["main", "build_parser", "device_transports", "sizes_section", "SECTIONS"]
 
@@ -50,14 +51,6 @@ SIZES_SKIPPED_CPU = ("--device cpu: the sizes section times device transports (s
                      "nccl) on CUDA tensors; run it with --device cuda on a GPU machine")
 
 
-def _has_nccl() -> bool:
-    try:  # imported on use only, never at module import
-        importlib.import_module("cupy.cuda.nccl")
-    except Exception:
-        return False
-    return True
-
-
 def device_transports(ranks_per_gpu: int, one_node: bool) -> list[str]:
     """The device transports this job can use: staged always; ipc with CuPy and every rank on
     one node; nccl with CuPy's NCCL and one GPU per rank (NCCL refuses two ranks on one GPU)."""
@@ -65,7 +58,7 @@ def device_transports(ranks_per_gpu: int, one_node: bool) -> list[str]:
     if importlib.util.find_spec("cupy") is not None:
         if one_node:
             names.append("ipc")
-        if ranks_per_gpu == 1 and _has_nccl():
+        if ranks_per_gpu == 1 and nccl_available():
             names.append("nccl")
     return names
 
@@ -142,7 +135,7 @@ def _resolve_transport(p: argparse.ArgumentParser, args: Any, ranks_per_gpu: int
                 "ipc or nccl, or --device cpu")
     name = args.transport or ("staged" if args.device == "cuda" else "mpi")
     try:
-        return choose_transport(name, args.device, nccl=_has_nccl(),
+        return choose_transport(name, args.device, nccl=nccl_available(),
                                 shared_gpu=ranks_per_gpu > 1)
     except TransportError as e:
         p.error(str(e))

@@ -25,20 +25,11 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from halo.transport.base import Reducer, Transport, TransportError
+from halo.transport.nccl import nccl_available
 from halo.transport.select import choose_transport, make_reducer, make_transport
 from sparsepipe_hpc.train.config import ConfigError
 
 __all__ = ["trainer_transport", "device_comm", "DeviceComm", "check_mpi_threads"]
-
-
-def _nccl_imports() -> bool:
-    import importlib
-
-    try:  # imported on use only, never at module import
-        importlib.import_module("cupy.cuda.nccl")
-    except Exception:
-        return False
-    return True
 
 
 def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
@@ -63,7 +54,7 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
             from launch.env import detect
 
             shared = detect(comm).local_size > max(1, torch.cuda.device_count())
-            return choose_transport(cfg.transport, "cuda", nccl=_nccl_imports(),
+            return choose_transport(cfg.transport, "cuda", nccl=nccl_available(),
                                     shared_gpu=shared)
         except TransportError as e:
             raise ConfigError(str(e)) from None
