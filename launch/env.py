@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "Placement", "detect", "from_environ", "from_comm", "threads_per_rank", "available_cores",
-    "expand_tasks_per_node", "prefer_shared_memory", "THREADS_VARIABLE",
+    "ranks_sharing_cores", "expand_tasks_per_node", "prefer_shared_memory", "THREADS_VARIABLE",
 ]
 
 #: Environment variable that sets the compute threads per rank, overriding the computed value.
@@ -347,12 +347,33 @@ def available_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def threads_per_rank(placement: Placement, override: int | None = None) -> int:
+def ranks_sharing_cores(comm: MPI.Intracomm) -> int:
+    """How many ranks of this node (this one included) may run on this rank's cores: those whose
+    affinity masks meet its own. **Collective** over ``comm``.
+
+    1 where the launcher bound each rank to cores of its own (Open MPI's default binding to a core
+    for 2 ranks, ``--map-by ...:PE=n``); the node's rank count where every rank sees the same
+    cores (no binding, or a container's cpuset): the divisor that turns a mask into a share.
+    """
+    from mpi4py import MPI
+
+    mine = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        masks = local.allgather(mine)
+    finally:
+        local.Free()
+    return sum(1 for m in masks if m is None or mine is None or m & mine)
+
+
+def threads_per_rank(placement: Placement, override: int | None = None,
+                     sharing: int | None = None) -> int:
     """Compute threads for this rank: its share of the node's cores, at least 1.
 
     In order: ``override``; the ``SPARSEPIPE_THREADS`` variable; the CPUs the launcher granted each
     rank (``SLURM_CPUS_PER_TASK`` under srun, ``PALS_DEPTH`` under PALS), capped by the affinity
-    mask; else the cores in this process's affinity mask divided by ``placement.local_size``.
+    mask; else the cores in this process's affinity mask divided by ``sharing``, the ranks that
+    share them (:func:`ranks_sharing_cores`; default ``placement.local_size``: all of the node's).
     """
     if override is not None:
         return _positive(override, "threads override")
@@ -363,7 +384,7 @@ def threads_per_rank(placement: Placement, override: int | None = None) -> int:
     granted = {"slurm": "SLURM_CPUS_PER_TASK", "pals": "PALS_DEPTH"}.get(placement.launcher)
     if granted and os.environ.get(granted, "").strip():
         return min(_positive(os.environ[granted], granted), cores)
-    return max(1, cores // placement.local_size)
+    return max(1, cores // (placement.local_size if sharing is None else max(1, sharing)))
 
 
 def prefer_shared_memory(environ: MutableMapping[str, str] | None = None, *,

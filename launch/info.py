@@ -24,7 +24,8 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from launch.device import physical_gpu, select_gpu, visible_gpu_count
-from launch.env import Placement, detect, prefer_shared_memory, threads_per_rank
+from launch.env import (Placement, detect, prefer_shared_memory, ranks_sharing_cores,
+                        threads_per_rank)
 
 __all__ = ["summary", "format_line", "problems", "compress_cpus", "main"]
 
@@ -44,8 +45,9 @@ def compress_cpus(cpus: Sequence[int]) -> str:
 
 
 def summary(placement: Placement, mpi_rank: int | None = None,
-            gpu_count: int | None = None) -> dict[str, Any]:
-    """Everything ``launch info`` reports about this process, as a JSON-able dict."""
+            gpu_count: int | None = None, sharing: int | None = None) -> dict[str, Any]:
+    """Everything ``launch info`` reports about this process, as a JSON-able dict; ``sharing``:
+    the ranks that share its cores (:func:`launch.env.threads_per_rank`)."""
     count = visible_gpu_count() if gpu_count is None else gpu_count
     gpu = select_gpu(placement, count)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -56,7 +58,7 @@ def summary(placement: Placement, mpi_rank: int | None = None,
         "launcher": placement.launcher, "note": placement.note,
         "mpi_rank": placement.rank if mpi_rank is None else mpi_rank,
         "gpu": gpu, "gpu_physical": None if gpu is None else physical_gpu(gpu),
-        "visible_gpus": count, "threads": threads_per_rank(placement),
+        "visible_gpus": count, "threads": threads_per_rank(placement, sharing=sharing),
         "cpus": cpus, "pid": os.getpid(),
     }
 
@@ -116,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         comm = MPI.COMM_WORLD
     placement = detect(comm)
-    mine = summary(placement, mpi_rank=None if comm is None else comm.Get_rank())
+    mine = summary(placement, mpi_rank=None if comm is None else comm.Get_rank(),
+                   sharing=None if comm is None else ranks_sharing_cores(comm))
     infos = [mine] if comm is None else comm.gather(mine, root=0)
     if infos is None:  # not rank 0
         return

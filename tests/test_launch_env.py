@@ -257,6 +257,13 @@ def test_threads_divide_the_cores(cores):
     assert threads_per_rank(_placement(1)) == 32
 
 
+def test_threads_divide_only_among_the_ranks_sharing_the_cores(cores):
+    cores(8)  # a rank bound to 8 cores of its own, 4 ranks on the node
+    assert threads_per_rank(_placement(4), sharing=1) == 8
+    assert threads_per_rank(_placement(4), sharing=2) == 4
+    assert threads_per_rank(_placement(4)) == 2  # not known: all the node's ranks
+
+
 def test_threads_at_least_one(cores):
     cores(2)
     assert threads_per_rank(_placement(4)) == 1

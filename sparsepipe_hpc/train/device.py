@@ -85,10 +85,11 @@ def compute_threads(cfg: Any, comm: Any) -> int:
         return int(cfg.threads)
     if cfg.device == "cpu":
         return 1
-    from launch.env import detect, threads_per_rank
+    from launch.env import detect, ranks_sharing_cores, threads_per_rank
 
-    placement = detect(comm)  # on every rank alike (cfg agreed), whether it sees a GPU or not
-    return threads_per_rank(placement) if cuda_device_count() > 0 else 1
+    # On every rank alike (cfg agreed), whether it sees a GPU or not: both are collective.
+    placement, sharing = detect(comm), ranks_sharing_cores(comm)
+    return threads_per_rank(placement, sharing=sharing) if cuda_device_count() > 0 else 1
 
 
 def trainer_device(cfg: Any, comm: Any) -> torch.device:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 from mpi4py import MPI
 
 import launch.run as launch_run
 from launch.device import select_gpu, visible_gpu_count
-from launch.env import detect, from_comm, threads_per_rank
+from launch.env import detect, from_comm, ranks_sharing_cores, threads_per_rank
 
 
 def test_open_mpi_variables_match_the_world(comm):
@@ -50,6 +53,24 @@ def test_threads_and_gpu(comm):
     gpu = select_gpu(p)
     assert (gpu is None) == (visible_gpu_count() == 0)
     assert MPI.Is_initialized()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_ranks_bound_to_cores_of_their_own_do_not_divide_them(comm):
+    """Ranks that see the same cores (no binding) divide them; ranks bound to cores of their own,
+    as Open MPI binds 2 ranks by default, take all of theirs (threads_per_rank divided a bound
+    rank's one-core mask by 2 before)."""
+    mine = os.sched_getaffinity(0)
+    cores = sorted(set().union(*map(set, comm.allgather(sorted(mine)))))
+    own = cores[comm.rank % len(cores)]  # a core each, as far as there are cores
+    try:
+        os.sched_setaffinity(0, {cores[0]})
+        assert ranks_sharing_cores(comm) == comm.size
+        os.sched_setaffinity(0, {own})
+        assert ranks_sharing_cores(comm) == sum(cores[r % len(cores)] == own
+                                                for r in range(comm.size))
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 def test_agree_to_stop_when_any_rank_got_the_signal(comm, monkeypatch):
