@@ -107,3 +107,18 @@ def test_errors_name_values():
         s.load_state_dict({"epoch": 1})
     with pytest.raises(ValueError, match="out of range"):
         s.load_state_dict({"epoch": 0, "step_in_epoch": 7})
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_peek_names_the_step_iteration_yields_next(replicas):
+    """Across epoch ends, and after a resume mid-epoch: what the prefetcher reads ahead."""
+    for rank in range(replicas):
+        s = ShardedBatches(10, 3, replicas=replicas, rank=rank, seed=4)
+        for _ in range(3):  # three epochs of 3 steps: peek before every step
+            for _ in range(len(s)):
+                expected = s.peek()
+                assert (next(iter(s)), s.epoch) == expected  # iter() resumes where it stopped
+        resumed = ShardedBatches(10, 3, replicas=replicas, rank=rank, seed=4)
+        resumed.load_state_dict({"epoch": 1, "step_in_epoch": 2})
+        assert resumed.peek() == (next(iter(resumed)), 1)
+        assert resumed.peek() == (resumed.shard(resumed.global_batch(2, 0)), 2)

@@ -173,6 +173,21 @@ def test_input_modes():
             parse_config(["--input", "distributed", *bad])
 
 
+def test_prefetch_by_device_and_input():
+    from sparsepipe_hpc.train.config import use_prefetch
+
+    assert use_prefetch(parse_config([]), "cuda") and not use_prefetch(parse_config([]), "cpu")
+    assert use_prefetch(parse_config(["--prefetch"]), "cpu")
+    assert not use_prefetch(parse_config(["--no-prefetch"]), "cuda")
+    assert not use_prefetch(parse_config(["--grid", "2,1,1"]), "cuda")  # distributed input
+    assert use_prefetch(parse_config(["--grid", "2,1,1", "--input", "whole"]), "cuda")
+    for args in (["--grid", "2,1,1"], ["--input", "distributed"]):
+        with pytest.raises(ConfigError, match=r"^--prefetch reads the next samples on a host "
+                                              r"thread, but .*--input distributed.*; pass "
+                                              r"--input whole, or --no-prefetch$"):
+            parse_config([*args, "--prefetch"])
+
+
 def test_trace_and_deferred_bn_options(tmp_path):
     cfg = parse_config(["--trace", str(tmp_path / "t.json"), "--deferred-bn"])
     assert cfg.trace == str(tmp_path / "t.json") and cfg.deferred_bn is True

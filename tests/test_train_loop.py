@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -107,6 +108,39 @@ def test_resume_equals_uninterrupted(data, tmp_path):
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert a["loader"] == b["loader"] and a["scheduler"] == b["scheduler"]
+
+
+def test_prefetch_trains_the_same_run_reading_on_a_worker(data, tmp_path):
+    """--prefetch (on by default on a GPU): every batch after the first is read on the worker
+    while the step before computes; losses, evaluations and weights equal those read in line,
+    bit for bit, across epoch ends and a stop and resume."""
+    opts = ("--steps", "9", "--eval-every", "4", "--lr", "0.01")  # 4 steps per epoch
+    train(tiny(data, tmp_path / "a", *opts))
+    reads: list[tuple[str, bool]] = []
+
+    class Watched(Trainer):
+        def _batch(self, dataset, indices, epoch):
+            reads.append((threading.current_thread().name, epoch is not None))
+            return super()._batch(dataset, indices, epoch)
+
+    holder = {}
+    first = Watched(tiny(data, tmp_path / "b", *opts, "--prefetch"), MPI.COMM_SELF, log=None,
+                    should_stop=lambda: holder["t"].step >= 5)
+    holder["t"] = first
+    assert first.run()["stopped"]
+    res = Watched(tiny(data, tmp_path / "b", *opts, "--prefetch", "--resume", "auto"),
+                  MPI.COMM_SELF, log=None).run()
+    assert res["step"] == 9
+    assert losses(tmp_path / "b") == losses(tmp_path / "a")
+    assert (read_metrics(tmp_path / "a" / "metrics.jsonl", "eval")
+            == read_metrics(tmp_path / "b" / "metrics.jsonl", "eval"))
+    a, b = state(tmp_path / "a"), state(tmp_path / "b")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    train_reads = [name for name, training in reads if training]
+    main = threading.current_thread().name
+    # Steps 1-5 (plus step 6's read ahead, dropped at the stop), then 6-9: one in line each run.
+    assert [name == main for name in train_reads] == [True] + [False] * 5 + [True] + [False] * 3
+    assert all(name == main for name, training in reads if not training)  # evaluation
 
 
 def test_resume_explicit_path_and_mismatch(data, tmp_path):

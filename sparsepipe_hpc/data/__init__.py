@@ -12,7 +12,8 @@ segmentation), ``chunks`` (its chunked form for big scenes: points sorted by spa
 table of chunk boxes), ``floor`` (a floor of rooms as one large scene), ``modelnet`` (ModelNet40 HDF5 layout for classification), ``shapes`` and ``synth``
 (synthetic rooms and objects; ``python -m sparsepipe_hpc.data.synth``), ``default`` (cached
 default data), ``loader`` (grid, augmentation, collate), ``sharding`` (batch order per replica),
-``splits`` (train and validation splits must agree).
+``prefetch`` (the next batch read on a host thread), ``splits`` (train and validation splits must
+agree).
 """
 
 from sparsepipe_hpc.data.checks import DataFormatError

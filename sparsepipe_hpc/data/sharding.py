@@ -120,6 +120,14 @@ class ShardedBatches:
             yield self.shard(batch)
         self._normalize()
 
+    def peek(self) -> tuple[list[int], int]:
+        """(this replica's indices, epoch) of the step iteration yields next, without taking it:
+        the current epoch's next step, or the next epoch's first after its last."""
+        epoch, step = self.epoch, self.step_in_epoch
+        if step >= self.steps_per_epoch:
+            epoch, step = epoch + 1, 0
+        return self.shard(self.global_batch(epoch, step)), epoch
+
     def __len__(self) -> int:
         """Steps the next ``iter()`` yields (fewer than ``steps_per_epoch`` after a resume)."""
         if self.step_in_epoch >= self.steps_per_epoch:

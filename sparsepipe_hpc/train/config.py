@@ -37,7 +37,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package (a cond
     import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = ["ConfigError", "TrainConfig", "TASK_DEFAULTS", "build_parser", "parse_config",
-           "resolve_layout", "local_batch_size", "distributed_input"]
+           "resolve_layout", "local_batch_size", "distributed_input", "use_prefetch"]
 
 TASKS = ("seg", "cls")
 INPUTS = ("auto", "whole", "distributed")
@@ -102,6 +102,7 @@ class TrainConfig:
     transport: str = "auto"
     augment: bool = True
     input: str = "auto"
+    prefetch: Optional[bool] = None  # None: on a GPU with whole-sample input (use_prefetch)
     progress: bool = True
     config: Optional[str] = None
     plan: Optional[str] = None
@@ -197,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "only its share of every sample's points and the voxels move to their owners: "
                    "memory and input time per rank fall with the grid, same result); default "
                    "auto: distributed for seg on a spatial grid without pipeline stages")
+    g.add_argument("--prefetch", action=argparse.BooleanOptionalAction,
+                   help="read and voxelize the next step's samples on a host thread while this "
+                   "step computes (default: on with --device cuda, off on a CPU, whose cores the "
+                   "ranks' compute already takes; same result either way; not with --input "
+                   "distributed, whose reading is collective)")
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=_positive_int, help="passes over the training set "
                    "(default 8 seg, 4 cls)")
@@ -364,6 +370,11 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
                                        or cfg.micro_batches > 1):
         raise ConfigError("--input distributed reads scenes (--task seg) for an unpipelined "
                           "spatial group (no --stages or --micro-batches); use --input whole")
+    if cfg.prefetch and distributed_input(cfg):
+        raise ConfigError("--prefetch reads the next samples on a host thread, but this run "
+                          "reads them with --input distributed (each rank its share, through MPI "
+                          "collectives that cannot run beside the step's; the default for seg on "
+                          "a --grid); pass --input whole, or --no-prefetch")
     try:
         choose_transport(cfg.transport, "cpu" if cfg.device == "cpu" else None)
     except TransportError as e:
@@ -418,6 +429,14 @@ def distributed_input(cfg: TrainConfig) -> bool:
         return (cfg.task == "seg" and math.prod(cfg.grid) > 1 and cfg.stages == 1
                 and cfg.micro_batches == 1)
     return cfg.input == "distributed"
+
+
+def use_prefetch(cfg: TrainConfig, device_type: str) -> bool:
+    """Whether the trainer reads each next batch ahead (``--prefetch``; by default on a GPU, where
+    the host is free while the device computes, with whole-sample input)."""
+    if cfg.prefetch is not None:
+        return bool(cfg.prefetch)
+    return device_type == "cuda" and not distributed_input(cfg)
 
 
 def resolve_layout(cfg: TrainConfig, world_size: int) -> RankLayout:

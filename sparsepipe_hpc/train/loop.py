@@ -31,11 +31,12 @@ directory; a write that fails later reaches every rank too: checkpoints through 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -52,8 +53,9 @@ from sparsepipe_hpc.train import resume, run_files
 from sparsepipe_hpc.train.agreement import (SetupError, agree, check_grid_fits, check_same,
                                             data_fingerprint)
 from sparsepipe_hpc.parallel.input import LocalBatch, read_distributed
+from sparsepipe_hpc.data.prefetch import Prefetcher
 from sparsepipe_hpc.train.config import (TrainConfig, distributed_input, local_batch_size,
-                                         resolve_layout)
+                                         resolve_layout, use_prefetch)
 from sparsepipe_hpc.train.device import Precision, move_tensor, trainer_device
 from sparsepipe_hpc.train.transport import device_comm, trainer_transport
 from sparsepipe_hpc.train.metrics import MetricsLog, format_summary
@@ -122,6 +124,9 @@ class Trainer:
             [self.train_set, self.val_set], cfg.voxel_size, multiple=self.stride))
         check_grid_fits(self.layout.grid, self.shape, self.stride, cfg)
         self.distributed_input = distributed_input(cfg)
+        # --prefetch: the next batch is read on a host thread while a step computes (run()).
+        self.prefetch = use_prefetch(cfg, self.device.type)
+        self._ahead: Optional[Prefetcher[Any]] = None
         # Pipeline (--stages, --micro-batches): this rank trains its stage's blocks only; eval
         # runs the same stages forward, one micro-batch per batch.
         self.pipe: Optional[Pipeline] = None
@@ -228,6 +233,29 @@ class Trainer:
         return collate(samples, self.cfg.voxel_size, self.origin, self.shape, augment=augment,
                        generator=generators, clip=False)
 
+    def _train_batch(self, indices: Sequence[int], epoch: int) -> Any:
+        """This step's training batch: read ahead when prefetching (and the next step's read
+        started), else read now; the same batch either way."""
+        if self._ahead is None:
+            return self._batch(self.train_set, indices, epoch)
+        batch = self._ahead.get(indices, epoch)
+        if self.step + 1 < self.total_steps:  # self.step counts the steps before this one
+            self._ahead.start(*self.batches.peek())
+        return batch
+
+    @contextlib.contextmanager
+    def _prefetching(self) -> Iterator[None]:
+        """While training: a :class:`Prefetcher` when ``--prefetch`` is on, stopped after."""
+        if not self.prefetch:
+            yield
+            return
+        self._ahead = Prefetcher(lambda idx, epoch: self._batch(self.train_set, idx, epoch))
+        try:
+            yield
+        finally:
+            self._ahead.close()
+            self._ahead = None
+
     def _forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(logits, labels, my voxels): logits [n_local, K] (seg) or [B_replica, K] (cls), float32
         (the model runs under ``--precision``'s autocast), on the trainer's device."""
@@ -248,7 +276,7 @@ class Trainer:
     def train_step(self, indices: Sequence[int], epoch: int) -> tuple[torch.Tensor, int]:
         """Forward, backward, gradient all-reduce and update; returns (my loss share, my voxels)."""
         self.model.train()
-        batch = self._batch(self.train_set, indices, epoch)
+        batch = self._train_batch(indices, epoch)
         if self.pipe is not None:
             share, n_local = pipeline_step(
                 self.pipe, self.ctx, batch, seg=self.seg, stride=self.stride,
@@ -331,15 +359,43 @@ class Trainer:
                   + (" (spconv has no bfloat16: its convolutions run in float32; fp16 runs its "
                      "fast kernels)" if cfg.precision == "bf16"
                      and get_engine(cfg.engine, self.device).name == "spconv" else "")
-                  + f"; transport {self.transport}" + f"; out {self.out}"
+                  + f"; transport {self.transport}" + ("; prefetch" if self.prefetch else "")
+                  + f"; out {self.out}"
                   + (f"; resumed at step {self.step}" if self.resumed_from else ""))
         bar = tqdm(total=self.total_steps, initial=self.step, desc=cfg.task, unit="step",
                    disable=not (self.is_root and cfg.progress), mininterval=0.5, file=sys.stderr,
                    dynamic_ncols=True)
+        recorder = Recorder.start(self.comm) if cfg.trace or cfg.plot else None  # collective
+        with self._prefetching():  # --prefetch: the next batch read during each step
+            last_train, last_eval, stopped = self._train_steps(bar, recorder)
+        bar.close()
+        if stopped:
+            self._say(f"stop requested: checkpoint at step {self.step} in "
+                      f"{self.out / ckpt_io.LAST}; continue with --resume auto --out {self.out}")
+        else:
+            if last_train is None:
+                self._say(f"checkpoint is already at step {self.step} of {self.total_steps}: "
+                          "nothing to train")
+            last_eval = self.evaluate()
+            self.metrics.write(last_eval)
+        agree(self.comm, self.metrics.close)  # the last records reach the disk, or every rank hears
+        if recorder is not None:
+            run_files.write_trace(recorder, self.comm, self.ctx.position, trace=cfg.trace,
+                                  plot=cfg.plot, say=self._say, title=run_files.plot_title(
+                                      cfg, self.layout, self.pipe is not None, self.step))
+        summary = format_summary(last_train, last_eval, time.perf_counter() - t_start)
+        self._say(summary)
+        return {"step": self.step, "stopped": stopped, "train": last_train, "eval": last_eval,
+                "summary": summary}
+
+    def _train_steps(self, bar: Any, recorder: Optional[Recorder]
+                     ) -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]], bool]:
+        """Steps to ``total_steps`` or a stop, with evaluations and checkpoints on their
+        schedule: (last train record, last eval record, stopped?)."""
+        cfg = self.cfg
         last_train: Optional[dict[str, Any]] = None
         last_eval: Optional[dict[str, Any]] = None
         stopped = False
-        recorder = Recorder.start(self.comm) if cfg.trace or cfg.plot else None  # collective
         t0 = time.perf_counter()
         while self.step < self.total_steps and not stopped:
             for indices in self.batches:
@@ -377,25 +433,7 @@ class Trainer:
                     t0 = time.perf_counter()
                 if stopped or done:
                     break
-        bar.close()
-        if stopped:
-            self._say(f"stop requested: checkpoint at step {self.step} in "
-                      f"{self.out / ckpt_io.LAST}; continue with --resume auto --out {self.out}")
-        else:
-            if last_train is None:
-                self._say(f"checkpoint is already at step {self.step} of {self.total_steps}: "
-                          "nothing to train")
-            last_eval = self.evaluate()
-            self.metrics.write(last_eval)
-        agree(self.comm, self.metrics.close)  # the last records reach the disk, or every rank hears
-        if recorder is not None:
-            run_files.write_trace(recorder, self.comm, self.ctx.position, trace=cfg.trace,
-                                  plot=cfg.plot, say=self._say, title=run_files.plot_title(
-                                      cfg, self.layout, self.pipe is not None, self.step))
-        summary = format_summary(last_train, last_eval, time.perf_counter() - t_start)
-        self._say(summary)
-        return {"step": self.step, "stopped": stopped, "train": last_train, "eval": last_eval,
-                "summary": summary}
+        return last_train, last_eval, stopped
 
     # --- messages --------------------------------------------------------------------------------
     def _say(self, text: str, bar: Any = None) -> None:

@@ -54,7 +54,9 @@ def test_data_parallel_equals_single_process(comm, shared, tmp_path, task):
     if GLOBAL_BATCH[task] % comm.size:
         pytest.skip(f"global batch {GLOBAL_BATCH[task]} does not split over {comm.size} ranks")
     out = shared / f"dp-{task}-{comm.size}"
-    multi = Trainer(config(shared, out, task), comm, log=None)
+    # The replicas read each next batch ahead on a worker thread (--prefetch), the single
+    # process in line: the same batches either way, while MPI runs on the main thread.
+    multi = Trainer(config(shared, out, task, "--prefetch"), comm, log=None)
     assert multi.ctx.num_replicas == comm.size
     res_multi = multi.run()
     single = Trainer(config(shared, tmp_path / "single", task), MPI.COMM_SELF, log=None)

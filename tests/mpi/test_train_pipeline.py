@@ -56,8 +56,10 @@ def test_pipelined_trainer_equals_single_process(comm, shared, tmp_path, kind):
     ref = {k: v.detach().clone() for k, v in single.model.state_dict().items()}
     for stages, grid, balance in LAYOUTS[comm.size]:
         out = shared / f"pipe-{kind}-{comm.size}-{stages}"
+        prefetch = ["--prefetch"] if kind == "1f1b" else []  # the next batch read ahead
         t = Trainer(config(shared, out, "--stages", str(stages), "--grid", grid, "--balance",
-                           balance, "--pipeline-schedule", kind), comm, log=None)
+                           balance, "--pipeline-schedule", kind, *prefetch), comm, log=None)
+        assert t.prefetch == (kind == "1f1b")
         assert t.layout.stages == stages and t.layout.replicas == 1
         res = t.run()
         assert curve(out, comm) == pytest.approx(curve(single_out, MPI.COMM_SELF), rel=1e-5)
