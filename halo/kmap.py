@@ -123,7 +123,9 @@ class KernelMap:
                          self.n_in if n_in is None else n_in, self.n_out)
 
     def spconv_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """spconv's layout: pairs int32 [2, K, L] (0: input rows, 1: output rows), counts int32 [K]."""
+        """spconv's layout: pairs int32 [2, K, L] (0: input rows, 1: output rows) on the rows'
+        device, counts int32 [K] on the host, where spconv reads them (it copies device counts
+        back at every call: a device sync per convolution)."""
         if self._spconv is None:
             counts = (self.ptr[1:] - self.ptr[:-1]).to(torch.int32)
             width = max(int(counts.max()) if len(counts) else 0, 1)
@@ -134,7 +136,7 @@ class KernelMap:
             pos = torch.arange(self.num_pairs, device=dev) - self.ptr.to(dev)[k]
             pairs[0, k, pos] = self.in_rows.int()
             pairs[1, k, pos] = self.out_rows.int()
-            self._spconv = (pairs, counts.to(self.in_rows.device))
+            self._spconv = (pairs, counts.contiguous())
         return self._spconv
 
 

@@ -118,16 +118,19 @@ def select_sends(coords: torch.Tensor, boxes: Sequence[tuple[np.ndarray, np.ndar
     coords int [N, 4]; returns int64 row tensors. Within radius means ``lo - r <= x < hi + r`` on
     every spatial axis.
     """
+    if not boxes:
+        return []
     keys = coord_keys(coords)
     order = torch.sort(keys)[1]  # rows by key, so every selection comes out sorted
     xyz = coords[order, 1:].long()
-    out = []
-    for lo, hi in boxes:
-        lo_t = torch.as_tensor(lo - radius, device=xyz.device)
-        hi_t = torch.as_tensor(hi + radius, device=xyz.device)
-        mask = ((xyz >= lo_t) & (xyz < hi_t)).all(1)
-        out.append(order[mask])
-    return out
+    dev = xyz.device
+    lo = torch.as_tensor(np.stack([b[0] for b in boxes]) - radius, device=dev)  # [B, 3]
+    hi = torch.as_tensor(np.stack([b[1] for b in boxes]) + radius, device=dev)
+    inside = ((xyz[None] >= lo[:, None]) & (xyz[None] < hi[:, None])).all(2)  # [B, N]
+    # One selection for every box (rows come out box by box, each in key order) and one count
+    # copy: two host syncs on a GPU instead of one per box.
+    rows = order[inside.nonzero()[:, 1]]
+    return list(torch.split(rows, inside.sum(1).tolist()))
 
 
 @dataclass
@@ -274,7 +277,7 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
     send_n = [torch.tensor([len(r)], dtype=torch.int64, device=dev) for r in rows]
     recv_n = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in nbrs]
     transport.start(list(zip(nbrs, send_n)), list(zip(nbrs, recv_n)), tag).wait()
-    counts = [int(c) for c in recv_n]
+    counts = torch.cat(recv_n).tolist() if recv_n else []  # one host copy, not one per neighbour
 
     send_ranks = [r for r, rw in zip(nbrs, rows) if len(rw)]
     send_rows = [rw for rw in rows if len(rw)]

@@ -138,6 +138,43 @@ def test_spconv_engine_in_pieces_with_progress_equals_whole(gen):
     assert len(calls) == 8
 
 
+def test_spconv_gets_its_pair_counts_on_the_host(gen):
+    """spconv reads the per-offset counts on the host (it copies device ones back at every call,
+    a device sync per convolution on a GPU): ours stay there whatever the rows' device (here
+    "meta", a device without data, standing in for CUDA)."""
+    from halo.kmap import KernelMap
+
+    x = random_cloud(gen, 300)
+    km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
+    on_device = KernelMap(km.in_rows.to("meta"), km.out_rows.to("meta"), km.ptr, km.n_in,
+                          km.n_out)
+    pairs, counts = on_device.spconv_pairs()
+    assert pairs.device.type == "meta" and counts.device.type == "cpu"
+    assert torch.equal(counts, km.spconv_pairs()[1]) and counts.dtype == torch.int32
+
+
+def test_spconv_subm_in_pieces_when_only_the_first_piece_has_pairs():
+    """Voxels that meet only 2 apart along x (offsets (-2, 0, 0), in the first quarter of a
+    5x5x5 kernel, and its mirror): the second piece has no pair at all, and spconv's CUDA kernels
+    assert on a plain call with none (its CPU ones skip it), so the map runs as one submanifold
+    call; the result is unchanged."""
+    from sparsepipe_hpc.engine.spconv_subm import _native_pieces
+
+    coords = torch.tensor([[0, 0, 0, 0], [0, 0, 0, 8], [0, 8, 8, 8]], dtype=torch.int32)
+    coords = torch.cat([coords, coords + torch.tensor([0, 2, 0, 0], dtype=torch.int32)])
+    eng = get_engine("spconv")
+    m = eng.subm_map(coords, (16, 16, 16), 1, 5, 1)
+    assert len(_native_pieces(m, lambda: None)) == 1
+    km = kernel_map(coords, coords, 5, 1, 2, 1)
+    gen = torch.Generator().manual_seed(0)
+    f = torch.randn(6, 3, dtype=torch.float64, generator=gen)
+    w = torch.randn(4, 125, 3, dtype=torch.float64, generator=gen)
+    calls = []
+    y = eng.forward(f, w, m, progress=lambda: calls.append(1))
+    torch.testing.assert_close(y, get_engine("torch").forward(f, w, km), rtol=1e-12, atol=1e-12)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("args", [(3, 1, 1, 1), (3, 1, 2, 2), (2, 2, 0, 1), (3, 2, 1, 1)])
 def test_kernel_map_is_the_same_for_any_offsets_per_pass(gen, args):
     """The GPU's batched lookup (many offsets per pass, no host sync per offset) equals the
@@ -215,3 +252,13 @@ def test_spconv_gets_bfloat16_as_float32_on_every_device():
         assert native_dtype(torch.bfloat16, torch.device(dev)) == torch.float32
         assert native_dtype(torch.float16, torch.device(dev)) == torch.float16
         assert native_dtype(torch.float32, torch.device(dev)) == torch.float32
+
+
+def test_spconv_float64_on_cuda_is_a_clear_error():
+    """spconv's CUDA build has no float64 GEMM kernels (its CPU path computes float64 in torch):
+    a clear error naming the remedy instead of one from inside spconv's tuner."""
+    from sparsepipe_hpc.engine.spconv_engine import SpconvDtypeError, native_dtype
+
+    assert native_dtype(torch.float64, torch.device("cpu")) == torch.float64
+    with pytest.raises(SpconvDtypeError, match=r"no float64 kernels on CUDA .* engine='torch'"):
+        native_dtype(torch.float64, torch.device("cuda"))

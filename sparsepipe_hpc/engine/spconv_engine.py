@@ -17,7 +17,8 @@ import torch
 
 from sparsepipe_hpc.engine.base import Engine, Progress
 
-__all__ = ["SpconvEngine", "patch_spconv", "single_thread", "spconv_call", "native_dtype"]
+__all__ = ["SpconvEngine", "SpconvDtypeError", "patch_spconv", "single_thread", "spconv_call",
+           "native_dtype"]
 
 _patched = False
 
@@ -55,12 +56,22 @@ def single_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(n)
 
 
+class SpconvDtypeError(TypeError):
+    """A dtype spconv has no kernels for on the tensors' device."""
+
+
 def native_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype spconv computes a ``dtype`` call in on ``device``: bfloat16 in float32, on
     every device. spconv 2.3.8 has no bfloat16 at all: its torch -> tensorview dtype table
     (``spconv/pytorch/cppcore.py``) lacks it, so a CUDA bfloat16 tensor raises KeyError there
-    (spconv issue 673). fp16 is the mixed precision that runs spconv's own fast kernels."""
-    del device  # the same answer everywhere; kept so callers need not change if spconv adds it
+    (spconv issue 673). fp16 is the mixed precision that runs spconv's own fast kernels.
+
+    Raises SpconvDtypeError for float64 on CUDA: spconv's CUDA build has GEMM kernels for
+    float32 and float16 only (its CPU path computes float64 through torch)."""
+    if dtype == torch.float64 and device.type == "cuda":
+        raise SpconvDtypeError("the spconv engine has no float64 kernels on CUDA (spconv's CUDA "
+                               "build has float32 and float16 only); build the model with "
+                               "engine='torch' for float64 on a GPU, or compute in float32")
     return torch.float32 if dtype == torch.bfloat16 else dtype
 
 

@@ -43,7 +43,7 @@ class SubmMap:
     n: int
     kernel_volume: int
     implicit_gemm: bool
-    native: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (pairs, counts)
+    native: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (pairs, host counts)
     igemm: Optional[tuple] = None  # get_indice_pairs_implicit_gemm's result
     # Implicit GEMM: the forward's output mask, needed by backward; it depends on the tile the
     # kernel chose, i.e. on channels and dtype, so it is kept per (C_in, C_out, dtype).
@@ -92,7 +92,9 @@ def subm_map(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int
     with spconv_call(coords.device):
         _, pairs, counts = ops.get_indice_pairs(coords, batch_size, shape, ConvAlgo.Native, ks,
                                                 one, pad, dil, pad, True, False)
-    return SubmMap(len(coords), k3, False, native=(pairs, counts))
+    # The counts on the host, once: spconv's kernels read them there (it copies device counts back
+    # at every call: a device sync per call, and one per piece between progress calls).
+    return SubmMap(len(coords), k3, False, native=(pairs, counts.cpu()))
 
 
 def _explicit_pairs(m: SubmMap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +132,8 @@ def _native_pieces(m: SubmMap, progress: Progress
     rest = full_counts.clone()
     rest[:split] = 0
     rest[k - split:] = 0
+    if not bool(rest.any()):  # spconv's CUDA kernels refuse a plain call with no pairs at all
+        return [(pairs, counts, True)]
     return [(pairs, first, True), (full, rest, False)]
 
 
