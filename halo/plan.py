@@ -123,14 +123,22 @@ def select_sends(coords: torch.Tensor, boxes: Sequence[tuple[np.ndarray, np.ndar
     keys = coord_keys(coords)
     order = torch.sort(keys)[1]  # rows by key, so every selection comes out sorted
     xyz = coords[order, 1:].long()
-    dev = xyz.device
-    lo = torch.as_tensor(np.stack([b[0] for b in boxes]) - radius, device=dev)  # [B, 3]
-    hi = torch.as_tensor(np.stack([b[1] for b in boxes]) + radius, device=dev)
-    inside = ((xyz[None] >= lo[:, None]) & (xyz[None] < hi[:, None])).all(2)  # [B, N]
-    # One selection for every box (rows come out box by box, each in key order) and one count
-    # copy: two host syncs on a GPU instead of one per box.
-    rows = order[inside.nonzero()[:, 1]]
-    return list(torch.split(rows, inside.sum(1).tolist()))
+    inside = [((xyz >= torch.as_tensor(lo - radius, device=xyz.device))
+               & (xyz < torch.as_tensor(hi + radius, device=xyz.device))).all(1)
+              for lo, hi in boxes]
+    return _rows_inside(order, inside, batched=xyz.is_cuda)
+
+
+def _rows_inside(order: torch.Tensor, inside: list[torch.Tensor],
+                 batched: bool) -> list[torch.Tensor]:
+    """``order[m]`` for every mask ``m`` of ``inside``. Batched (on a GPU, where each boolean
+    selection is a host sync): one selection for all masks and one count copy, 2 syncs instead of
+    one per mask; on the CPU one selection per mask is faster (no [B, N] stack)."""
+    if not batched:
+        return [order[m] for m in inside]
+    stacked = torch.stack(inside)  # [B, N]
+    rows = order[stacked.nonzero()[:, 1]]  # mask by mask, each in order's order
+    return list(torch.split(rows, stacked.sum(1).tolist()))
 
 
 @dataclass

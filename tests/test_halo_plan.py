@@ -76,6 +76,19 @@ def test_select_sends_matches_the_reference():
             assert torch.equal(mine[r], want)  # same voxels, same (key) order
 
 
+def test_batched_selection_equals_one_per_box():
+    """A GPU selects every box's rows at once (2 host syncs, not one per box): the same rows."""
+    from halo.plan import _rows_inside
+
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(50, generator=g)
+    masks = [torch.rand(50, generator=g) < p for p in (0.0, 0.3, 1.0, 0.5)]
+    per_box = _rows_inside(order, masks, batched=False)
+    batched = _rows_inside(order, masks, batched=True)
+    assert [len(r) for r in per_box] == [len(r) for r in batched] and len(per_box[0]) == 0
+    assert all(torch.equal(a, b) for a, b in zip(per_box, batched))
+
+
 def test_reference_halo_covers_the_neighbour_search():
     rng = np.random.default_rng(4)
     cuts = uniform_cuts((16, 16, 16), (2, 2, 2))
