@@ -8,7 +8,8 @@ One step on one rank::
 
     indices   this replica's samples of the global batch (ShardedBatches: the same on every
               spatial rank of the replica)
-    batch     collate(samples) -> every voxel of the replica's samples
+    batch     collate(samples) -> every voxel of the replica's samples (with --prefetch read
+              on a host thread while the step before computes: sparsepipe_hpc.data.prefetch)
     step      this rank's voxels, loss share, backward, gradient all-reduce, optimizer step
               (sparsepipe_hpc.train.step: the loss convention, plain or pipelined)
     report    allreduce([share, my voxels, stop flag]) -> global loss, voxels, stop agreement
