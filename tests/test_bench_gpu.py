@@ -53,6 +53,12 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
     assert layer["pairs"] > layer["voxels"] > 0
     for net in ("project", "spconv", "torch_mm"):
         assert layer[net]["tflops"] > 0
+    for precision in ("fp32", "fp16"):
+        bn = r["batchnorm"][precision]
+        assert bn["voxels"] == r["scene"]["voxels"] and bn["channels"] == 4
+        for name in ("project", "project_group", "torch"):
+            assert bn[name]["median_s"] > 0
+        assert bn["time_ratio_project_over_torch"] > 0
     km = r["kernel_maps"]
     assert km["project"]["median_s"] > 0 and km["spconv"]["median_s"] > 0
 

@@ -110,6 +110,45 @@ def test_unet_under_autocast_on_gpu(gen):
         assert err < 0.1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_batchnorm_forms_on_gpu_equal_cpu(gen, dtype, device="cuda"):
+    """One CUDA rank (torch's fused kernel) and the group form (deferred statistics take it)
+    equal the CPU layer in float32 on the same inputs: outputs, input and weight gradients,
+    running statistics (fp16: features as a convolution under autocast hands them on)."""
+    from sparsepipe_hpc.nn import BatchNorm, commit_batchnorm
+
+    x = random_cloud(gen, 5000, channels=6, dtype=torch.float32)
+    x = x.replace(feats=(x.feats * 3 + 2).to(dtype).float())
+    g = torch.randn(x.feats.shape, generator=gen).to(dtype).float()
+    cpu = BatchNorm(6)
+    with torch.no_grad():
+        cpu.weight.uniform_(0.5, 1.5)
+        cpu.bias.uniform_(-1, 1)
+    ref = _bn_step(cpu, x, g)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for deferred in (False, True):
+        bn = BatchNorm(6, deferred=deferred)
+        bn.load_state_dict(cpu.state_dict())
+        bn.running_mean.zero_()
+        bn.running_var.fill_(1)
+        bn.to(device)
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            got = _bn_step(bn, x.replace(coords=x.coords.to(device),
+                                         feats=x.feats.to(device, dtype)), g.to(device, dtype))
+        assert got[0].dtype == got[1].dtype == dtype and got[2].dtype == torch.float32
+        assert commit_batchnorm(bn) == deferred
+        for a, b in zip(got + (bn.running_mean, bn.running_var),
+                        ref + (cpu.running_mean, cpu.running_var)):
+            torch.testing.assert_close(a.float().cpu(), b, rtol=tol, atol=tol * float(b.abs().max()))
+
+
+def _bn_step(bn, x, g):
+    f = x.feats.clone().requires_grad_()
+    y = bn(x.replace(feats=f)).feats
+    y.backward(g)
+    return y, f.grad, bn.weight.grad
+
+
 def test_gpu_benchmark_runs_on_cuda(tmp_path):
     import json
     import subprocess

@@ -18,6 +18,10 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                voxels: project layer, spconv's ``SubMConv3d``, and ``torch.mm`` of the same GEMM
                shapes ([N, 27 C] x [27 C, C] and its two gradients); TFLOP/s of useful work
                (2 * pairs * C * C per GEMM pass, three passes).
+  batchnorm    one BatchNorm over the scene's voxels at ``--width`` channels, forward + backward:
+               the project's on one rank (as the trainer runs it), the project's group form
+               (what each rank of a spatial group runs, all-reduce aside: deferred statistics on
+               one rank take the same passes), and ``torch.nn.BatchNorm1d``.
   kernel_maps  index building for the whole U-Net: the project's (spconv's submanifold indices
                plus own strided maps) versus spconv's own, and the explicit-pair submanifold maps
                the local path no longer needs.
@@ -238,6 +242,36 @@ def _layer(x: SparseTensor, c: int, args: Any, device: torch.device,
     return out
 
 
+def _batchnorm(x: SparseTensor, c: int, args: Any, device: torch.device,
+               dtype: Optional[torch.dtype]) -> dict[str, Any]:
+    """One BatchNorm over [N, c] features, fwd+bwd: project (one rank, group form) and torch's."""
+    from sparsepipe_hpc.nn import BatchNorm
+
+    n = x.num_voxels
+    feats = torch.randn(n, c, device=device, dtype=dtype or torch.float32) * 3 + 1
+    grad = torch.randn_like(feats)
+    xs = x.replace(feats=feats, kmaps={})
+    ours, group, ref = BatchNorm(c).to(device), BatchNorm(c, deferred=True).to(device), \
+        torch.nn.BatchNorm1d(c).to(device)
+
+    def run(layer: torch.nn.Module, sparse: bool) -> Callable[[], None]:
+        def fn() -> None:
+            f = feats.clone().requires_grad_()
+            with _autocast(device, dtype):
+                y = layer(xs.replace(feats=f)).feats if sparse else layer(f)
+            y.backward(grad.to(y.dtype))
+            if sparse and layer is group:
+                group.commit()
+        return fn
+
+    out: dict[str, Any] = {"channels": c, "voxels": n}
+    out.update(time_alternating({"project": run(ours, True), "project_group": run(group, True),
+                                 "torch": run(ref, False)}, device, args.repeats))
+    for name in ("project", "project_group"):
+        out[f"time_ratio_{name}_over_torch"] = out[name]["median_s"] / out["torch"]["median_s"]
+    return out
+
+
 def _kernel_maps(x: SparseTensor, depth: int, device: torch.device, repeats: int
                  ) -> dict[str, Any]:
     """Index building for a U-Net of ``depth`` levels: project versus spconv."""
@@ -337,7 +371,7 @@ def main(argv: list[str]) -> None:
                   "voxels": x.num_voxels, "spatial_shape": list(x.spatial_shape),
                   "width": args.width, "depth": args.depth},
         "targets": {"time_ratio_max": 1.10, "memory_ratio_max": 1.10},
-        "steps": {}, "layer": {}, "complete": False}
+        "steps": {}, "layer": {}, "batchnorm": {}, "complete": False}
     for name in names:
         steps = result["steps"][name] = _steps(x, args, device, PRECISIONS[name])
         for net in ("spconv_unet", "sparseunet", "distributed_1x1x1"):
@@ -358,6 +392,11 @@ def main(argv: list[str]) -> None:
                 continue
             print(f"{name} layer {args.layer_channels}->{args.layer_channels} {net:8s} "
                   f"{t['median_s'] * 1e3:8.2f} ms {t['tflops']:8.3f} TFLOP/s")
+        bn = result["batchnorm"][name] = _batchnorm(x, args.width, args, device,
+                                                    PRECISIONS[name])
+        print(f"{name} batchnorm {args.width} ch: project {bn['project']['median_s'] * 1e3:.2f} ms"
+              f", group form {bn['project_group']['median_s'] * 1e3:.2f} ms, torch "
+              f"{bn['torch']['median_s'] * 1e3:.2f} ms")
         write_json(args.json, result)  # what is measured so far survives a later crash
     km = result["kernel_maps"] = _kernel_maps(x, args.depth, device, args.repeats)
     print(f"kernel maps: project {km['project']['median_s'] * 1e3:.1f} ms, spconv "
