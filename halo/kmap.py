@@ -150,8 +150,10 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
     in_coords int [N_in, 4], out_coords int [N_out, 4]: global voxel indices at the input's and the
     output's stride respectively; rows need not be sorted. ``offsets_per_pass``: kernel offsets
     looked up together (default: all that fit a work-array budget on a GPU, one on the CPU); the
-    map is the same for any value.
+    map is the same for any value. A kernel equal to its stride takes one lookup per input instead.
     """
+    if _one_output_per_input(kernel_size, stride, dilation):
+        return _window_map(in_coords, out_coords, _triple(stride), _triple(padding))
     s, p, d = (_on(torch.tensor(_triple(v), dtype=torch.int64), out_coords.device)
                for v in (stride, padding, dilation))
     offsets = _on(kernel_offsets(kernel_size), out_coords.device)
@@ -185,6 +187,42 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
                      len(out_coords))
 
 
+def _one_output_per_input(kernel_size: int | Sequence[int], stride: int | Sequence[int],
+                          dilation: int | Sequence[int]) -> bool:
+    """Kernel equal to stride, no dilation (a U-Net's k2s2): the windows tile the grid, so every
+    input lies in exactly one output's window, at one offset."""
+    return _triple(kernel_size) == _triple(stride) and _triple(dilation) == (1, 1, 1)
+
+
+def _window(c: torch.Tensor, s: tuple[int, int, int], p: tuple[int, int, int]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tiling windows: each input's output ``o = floor((i + p) / s)`` int64 [N, 3] and its
+    flat offset ``k`` int64 [N] (``i + p - o * s`` in spconv's order); ``c`` int64 [N, 4]."""
+    sp = [_on(torch.tensor(v, dtype=torch.int64), c.device) for v in (s, p)]
+    shifted = c[:, 1:] + sp[1]
+    o = torch.div(shifted, sp[0], rounding_mode="floor")
+    off = shifted - o * sp[0]
+    return o, (off[:, 0] * s[1] + off[:, 1]) * s[2] + off[:, 2]
+
+
+def _window_map(in_coords: torch.Tensor, out_coords: torch.Tensor, s: tuple[int, int, int],
+                p: tuple[int, int, int]) -> KernelMap:
+    """:func:`kernel_map` for tiling windows: one lookup per input (of its output) instead of one
+    per output and offset; pairs in the same order (by offset, then output row)."""
+    c = in_coords.long()
+    o, k = _window(c, s, p)
+    sorted_keys, order = torch.sort(coord_keys(out_coords))
+    rows = lookup(sorted_keys, order, coord_keys(torch.cat([c[:, :1], o], 1)))
+    hit = rows >= 0
+    in_rows, out_rows, k = torch.nonzero(hit).squeeze(1), rows[hit], k[hit]
+    n_k = s[0] * s[1] * s[2]
+    # An output has at most one input per offset: (offset, output row) orders the pairs fully.
+    perm = torch.argsort(k * len(out_coords) + out_rows)
+    ptr = torch.zeros(n_k + 1, dtype=torch.int64)
+    ptr[1:] = torch.cumsum(torch.bincount(k, minlength=n_k).cpu(), 0)
+    return KernelMap(in_rows[perm], out_rows[perm], ptr, len(in_coords), len(out_coords))
+
+
 def output_coords(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
                   stride: int | Sequence[int], padding: int | Sequence[int],
                   dilation: int | Sequence[int], out_shape: Sequence[int], *,
@@ -196,11 +234,15 @@ def output_coords(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     ``offsets_per_pass``: as in :func:`kernel_map`; the result is the same for any value.
     """
     dev = in_coords.device
+    shape = _on(torch.tensor(list(out_shape), dtype=torch.int64), dev)
+    c = in_coords.long()
+    if _one_output_per_input(kernel_size, stride, dilation):
+        o, _ = _window(c, _triple(stride), _triple(padding))
+        ok = ((o >= 0) & (o < shape)).all(1)
+        return decode_keys(torch.unique(coord_keys(torch.cat([c[:, :1], o], 1)[ok])))
     s, p, d = (_on(torch.tensor(_triple(v), dtype=torch.int64), dev)
                for v in (stride, padding, dilation))
-    shape = _on(torch.tensor(list(out_shape), dtype=torch.int64), dev)
     offsets = _on(kernel_offsets(kernel_size), dev)
-    c = in_coords.long()
     # Offsets in groups, as in kernel_map: on a GPU one boolean selection (one host sync) per
     # group bounded by _QUERY_BLOCK, not one per offset; on the CPU one offset at a time.
     group = offsets_per_pass or (max(1, _QUERY_BLOCK // max(len(c), 1)) if c.is_cuda else 1)

@@ -195,6 +195,38 @@ def test_kernel_map_is_the_same_for_any_offsets_per_pass(gen, args):
         assert output_coords(x.coords[:0], *args, (8, 8, 8), offsets_per_pass=5).shape == (0, 4)
 
 
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (2, 2, 1), (3, 3, 0), (3, 3, 2), (1, 1, 0),
+                                   ((2, 1, 3), (2, 1, 3), (1, 0, 0))])
+def test_tiling_windows_take_one_lookup_per_input_with_the_same_result(gen, monkeypatch, k, s, p):
+    """Kernel = stride (a U-Net's k2s2): outputs and pairs from each input's one window equal the
+    general per-offset search's, in the same CSR order; the grid's extent is not a multiple of
+    the stride, so without padding inputs in the last partial window reach no output."""
+    import halo.kmap as kmap_module
+
+    shape = (15, 16, 13)
+    x = random_cloud(gen, 900, shape=shape, batch=3)
+    x = x.replace(coords=x.coords[torch.randperm(len(x.coords), generator=gen)])  # any row order
+    ks, ss, ps = (v if isinstance(v, tuple) else (v,) * 3 for v in (k, s, p))
+    out_shape = tuple((n + 2 * pa - ka) // sa + 1 for n, ka, sa, pa in zip(shape, ks, ss, ps))
+    fast_out = output_coords(x.coords, k, s, p, 1, out_shape)
+    fast = kernel_map(x.coords, fast_out, k, s, p, 1)
+    monkeypatch.setattr(kmap_module, "_one_output_per_input", lambda *a: False)
+    ref_out = output_coords(x.coords, k, s, p, 1, out_shape)
+    ref = kernel_map(x.coords, ref_out, k, s, p, 1)
+    assert torch.equal(fast_out, ref_out) and ref.num_pairs > 0
+    assert torch.equal(fast.ptr, ref.ptr) and torch.equal(fast.in_rows, ref.in_rows)
+    assert torch.equal(fast.out_rows, ref.out_rows)
+    assert (fast.n_in, fast.n_out) == (ref.n_in, ref.n_out)
+    if ks != (1, 1, 1) and ps == (0, 0, 0):
+        assert ref.num_pairs < len(x.coords)  # some inputs fall in no full window
+    sub = fast_out[::3]  # outputs given (a rank's own box): only their pairs
+    ref_sub = kernel_map(x.coords, sub, k, s, p, 1)
+    monkeypatch.undo()
+    fast_sub = kernel_map(x.coords, sub, k, s, p, 1)
+    assert torch.equal(fast_sub.ptr, ref_sub.ptr) and torch.equal(fast_sub.in_rows, ref_sub.in_rows)
+    assert torch.equal(fast_sub.out_rows, ref_sub.out_rows)
+
+
 def test_select_keeps_csr_by_offset(gen):
     x = random_cloud(gen, 500)
     km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
