@@ -44,7 +44,8 @@ import torch
 from sparsepipe_hpc.bench.common import environment, write_json
 from sparsepipe_hpc.sparse import SparseTensor
 
-__all__ = ["main", "build_parser", "synthetic_rooms", "time_step", "time_alternating"]
+__all__ = ["main", "build_parser", "synthetic_rooms", "unet_steps", "time_step",
+           "time_alternating"]
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -120,8 +121,11 @@ def _autocast(device: torch.device, dtype: Optional[torch.dtype]) -> Any:
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def _steps(x: SparseTensor, args: Any, device: torch.device,
-           dtype: Optional[torch.dtype]) -> dict[str, Any]:
+def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
+               dtype: Optional[torch.dtype]) -> dict[str, Callable[[], None]]:
+    """One forward + backward each, from fresh coordinates (kernel maps included): the plain spconv
+    U-Net (left out where spconv cannot run it: CPU autocast), ``SparseUNet`` on one rank, and the
+    distributed model on a 1x1x1 grid; the same seed, so the two U-Nets start alike."""
     from mpi4py import MPI
 
     from sparsepipe_hpc.bench.spconv_unet import SpconvUNet
@@ -131,8 +135,8 @@ def _steps(x: SparseTensor, args: Any, device: torch.device,
 
     classes = 8
     torch.manual_seed(0)
-    plain = SpconvUNet(x.num_channels, classes, args.width, args.depth, device).to(device)
-    ours = SparseUNet(x.num_channels, classes, width=args.width, depth=args.depth).to(device)
+    plain = SpconvUNet(x.num_channels, classes, width, depth, device).to(device)
+    ours = SparseUNet(x.num_channels, classes, width=width, depth=depth).to(device)
     ctx = ParallelContext(MPI.COMM_SELF, RankLayout(1, 1, (1, 1, 1)), force_spatial=True)
 
     def plain_step() -> None:
@@ -154,13 +158,18 @@ def _steps(x: SparseTensor, args: Any, device: torch.device,
             y = ours(xl).feats
         y.float().square().mean().backward()
 
+    steps = {"spconv_unet": plain_step} if _spconv_runs(device, dtype) else {}
+    steps.update(sparseunet=ours_step, distributed_1x1x1=dist_step)
+    return steps
+
+
+def _steps(x: SparseTensor, args: Any, device: torch.device,
+           dtype: Optional[torch.dtype]) -> dict[str, Any]:
+    steps = unet_steps(x, args.width, args.depth, device, dtype)
     out: dict[str, Any] = {}
-    runs = [("sparseunet", ours_step), ("distributed_1x1x1", dist_step)]
-    if _spconv_runs(device, dtype):
-        runs.insert(0, ("spconv_unet", plain_step))
-    else:
+    if "spconv_unet" not in steps:
         out["spconv_unet"] = {"skipped": SKIP_CPU_AUTOCAST}
-    out.update(time_alternating(dict(runs), device, args.repeats))
+    out.update(time_alternating(steps, device, args.repeats))
     base = out["spconv_unet"]
     for name in ("sparseunet", "distributed_1x1x1"):
         if "median_s" in base:
