@@ -166,6 +166,40 @@ def test_batchnorm_of_fewer_than_two_voxels_is_an_error_naming_the_count():
     assert batch_norm(torch.randn(2, c), *args).shape == (2, c)
 
 
+def test_batchnorm_backward_through_torch_sync_kernels_equals_the_elementwise_form(gen,
+                                                                                 monkeypatch):
+    """The CUDA backward's wiring (torch's SyncBatchNorm kernels: which sums it reduces, the
+    count it hands on), on the CPU with the two kernels stood in for by their formulas
+    (aten/src/ATen/native/cuda/Normalization.cuh); tests/test_gpu.py runs the real ones."""
+    import sparsepipe_hpc.nn.functional as fn
+
+    def reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
+        dy_xmu = (dy * (x - mean)).sum(0)
+        return dy.sum(0), dy_xmu, dy_xmu * invstd, dy.sum(0)
+
+    def elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+        assert count.dtype == torch.int32 and count.shape == (1,)
+        n = count.sum()
+        return (dy - sum_dy / n - (x - mean) * invstd ** 2 * sum_dy_xmu / n) * invstd * weight
+
+    x = random_cloud(gen, 400, channels=5)
+    g = torch.randn(x.feats.shape, generator=gen, dtype=torch.float64)
+    bn = BatchNorm(5, deferred=True).double()  # deferred: the group form on one rank too
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(fn, "_fused_backward", lambda t, fused=fused: fused and len(t) > 0)
+        monkeypatch.setattr(torch, "batch_norm_backward_reduce", reduce)
+        monkeypatch.setattr(torch, "batch_norm_backward_elemt", elemt)
+        bn.zero_grad()
+        f = x.feats.clone().requires_grad_()
+        bn(x.replace(feats=f)).feats.backward(g)
+        results.append((f.grad, bn.weight.grad.clone(), bn.bias.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_batchnorm_in_float32_keeps_float64_accuracy_on_many_voxels():
     """Mean 100, spread 1, 200k voxels: outputs and gradients within 2e-5 of float64 (relative to
     the largest value). torch's CPU kernel errs by 9e-5 in the outputs here and 5e-4 in the

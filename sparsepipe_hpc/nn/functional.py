@@ -83,18 +83,38 @@ class _SyncBatchNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, invstd = ctx.saved_tensors
         c = dy.shape[1]
-        xmu = x - mean
-        g_b = dy.sum(0)
-        g_w = (dy * xmu).sum(0) * invstd  # sum of dy * x-hat
-        sums = torch.cat([g_b, g_w]).double()
+        dy = dy.contiguous()
+        fused = _fused_backward(x)
+        if fused:
+            g_b, dy_xmu, _, _ = torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight,
+                                                                 True, False, False)
+        else:
+            xmu = x - mean
+            g_b = dy.sum(0)
+            dy_xmu = (dy * xmu).sum(0)
+        g_w = dy_xmu * invstd  # sum of dy * x-hat
+        sums = torch.cat([g_b, dy_xmu]).double()  # [sum dy, sum dy * (x - mean)] of the group
         allreduce_(sums, ctx.comm)
+        if fused:
+            count = ctx.n.to(torch.int32).reshape(1)  # on the device: no sync
+            dx = torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight,
+                                                 sums[:c].to(dy.dtype), sums[c:].to(dy.dtype),
+                                                 count)
+            return dx, g_w, g_b, None, None, None, None, None, None
         mean_dy = (sums[:c] / ctx.n).to(dy.dtype)
-        mean_dy_xhat = (sums[c:] / ctx.n).to(dy.dtype)
+        mean_dy_xhat = (sums[c:] / ctx.n).to(dy.dtype) * invstd
         scale = weight * invstd
         # dx = (dy - mean(dy) - x-hat * mean(dy * x-hat)) * weight * invstd, in two passes
         dx = torch.addcmul(-mean_dy * scale, dy, scale)
         dx.addcmul_(xmu, -scale * invstd * mean_dy_xhat)
         return dx, g_w, g_b, None, None, None, None, None, None
+
+
+def _fused_backward(x: torch.Tensor) -> bool:
+    """Whether the backward of ``x`` takes torch's SyncBatchNorm kernels (CUDA only): one pass for
+    the two sums and one for dx, where the elementwise form takes five passes over ``[N, C]``
+    arrays. A rank with no rows takes the elementwise form, which sums the same quantities."""
+    return x.is_cuda and len(x) > 0
 
 
 def _local_stats(x: torch.Tensor) -> torch.Tensor:
