@@ -63,6 +63,21 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
     assert km["project"]["median_s"] > 0 and km["spconv"]["median_s"] > 0
 
 
+def test_triton_variants_are_skipped_with_the_reason_where_they_cannot_run(tmp_path):
+    """``--triton`` on a CPU: spconv-triton's U-Net and layer are recorded as skipped, with why;
+    the rest of the table is measured as without it."""
+    out = tmp_path / "gpu.json"
+    proc = run(["--device", "cpu", *TINY, "--precisions", "fp32", "--triton", "--json", str(out)],
+               tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    steps, layer = r["steps"]["fp32"], r["layer"]["fp32"]
+    assert steps["spconv_triton_unet"] == {"skipped": "spconv-triton runs on GPUs only"}
+    assert layer["spconv_triton"] == {"skipped": "spconv-triton runs on GPUs only"}
+    assert "time_ratio_spconv_triton_unet_over_spconv" not in steps
+    assert steps["sparseunet"]["median_s"] > 0 and r["complete"]
+
+
 def test_defaults_are_the_issues_scene(monkeypatch):
     """Four synthetic rooms at 2 cm (issue 10: 1.78 M voxels), width 32, depth 4."""
     from sparsepipe_hpc.bench import gpu

@@ -149,6 +149,23 @@ def _bn_step(bn, x, g):
     return y, f.grad, bn.weight.grad
 
 
+def test_spconv_triton_unet_is_the_same_architecture(device="cuda"):
+    """The plain U-Net in spconv-triton's layers (``bench gpu --triton``): spconv's parameter
+    count, one output row per input voxel in the input's order."""
+    pytest.importorskip("spconv_triton.pytorch", reason="spconv-triton is not installed")
+    from sparsepipe_hpc.bench.gpu import synthetic_rooms
+    from sparsepipe_hpc.bench.spconv_unet import SpconvUNet
+
+    x = synthetic_rooms(1, 0.2, 20000)
+    x = x.replace(coords=x.coords.to(device), feats=x.feats.to(device))
+    ref = SpconvUNet(3, 8, width=4, depth=2, device=torch.device(device))
+    tri = SpconvUNet(3, 8, width=4, depth=2, device=torch.device(device),
+                     package="spconv_triton").to(device)
+    assert sum(p.numel() for p in tri.parameters()) == sum(p.numel() for p in ref.parameters())
+    y = tri(tri.tensor(x))
+    assert y.features.shape == (x.num_voxels, 8) and torch.equal(y.indices, x.coords)
+
+
 def test_gpu_benchmark_runs_on_cuda(tmp_path):
     import json
     import subprocess

@@ -21,11 +21,11 @@ def sections() -> dict[str, str]:
     return {name: text for name, text in zip(arms[::2], arms[1::2])}
 
 
-def test_the_three_sections_are_there():
-    assert set(sections()) == {"tests", "bench", "train"}
+def test_the_sections_are_there():
+    assert set(sections()) == {"tests", "bench", "train", "triton"}
 
 
-@pytest.mark.parametrize("name", ["tests", "bench", "train"])
+@pytest.mark.parametrize("name", ["tests", "bench", "train", "triton"])
 def test_each_section_fits_one_device_call(name):
     limits = [int(s) for s in re.findall(r"^\s+step [\w-]+ (\d+) ", sections()[name], re.M)]
     assert limits, name

@@ -13,11 +13,14 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                (:mod:`.spconv_unet`), ``SparseUNet`` on one rank, and the distributed model on a
                1x1x1 grid (every layer through the spatial path, empty exchanges); step time and
                peak device memory, and each one's ratio to plain spconv (the issue's target:
-               <= 1.10 in time and memory).
+               <= 1.10 in time and memory). ``--triton`` adds the plain U-Net written with
+               spconv-triton's layers (``spconv_triton_unet``: a pure-Triton drop-in for spconv,
+               GPUs only; Triton tunes each new shape in the warm-up round).
   layer        one submanifold 3x3x3 layer, C -> C channels, forward + backward on the scene's
                voxels: project layer, spconv's ``SubMConv3d``, and ``torch.mm`` of the same GEMM
                shapes ([N, 27 C] x [27 C, C] and its two gradients); TFLOP/s of useful work
-               (2 * pairs * C * C per GEMM pass, three passes).
+               (2 * pairs * C * C per GEMM pass, three passes); with ``--triton`` also
+               spconv-triton's ``SubMConv3d``.
   batchnorm    one BatchNorm over the scene's voxels at ``--width`` channels, forward + backward:
                the project's on one rank (as the trainer runs it), the project's group form
                (what each rank of a spatial group runs, all-reduce aside: deferred statistics on
@@ -45,7 +48,7 @@ from sparsepipe_hpc.bench.common import environment, write_json
 from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["main", "build_parser", "synthetic_rooms", "unet_steps", "time_step",
-           "time_alternating"]
+           "time_alternating", "triton_skip"]
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -121,11 +124,24 @@ def _autocast(device: torch.device, dtype: Optional[torch.dtype]) -> Any:
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
+def triton_skip(device: torch.device) -> Optional[str]:
+    """Why spconv-triton cannot run on ``device`` here; None when it can."""
+    if device.type != "cuda":
+        return "spconv-triton runs on GPUs only"
+    try:
+        import spconv_triton.pytorch  # noqa: F401
+    except ImportError as e:
+        return f"spconv-triton is not importable ({e}); pip install spconv-triton"
+    return None
+
+
 def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
-               dtype: Optional[torch.dtype]) -> dict[str, Callable[[], None]]:
+               dtype: Optional[torch.dtype], triton: bool = False
+               ) -> dict[str, Callable[[], None]]:
     """One forward + backward each, from fresh coordinates (kernel maps included): the plain spconv
     U-Net (left out where spconv cannot run it: CPU autocast), ``SparseUNet`` on one rank, and the
-    distributed model on a 1x1x1 grid; the same seed, so the two U-Nets start alike."""
+    distributed model on a 1x1x1 grid; the same seed, so the U-Nets start alike. ``triton``: also
+    the plain U-Net in spconv-triton's layers, where :func:`triton_skip` allows."""
     from mpi4py import MPI
 
     from sparsepipe_hpc.bench.spconv_unet import SpconvUNet
@@ -159,19 +175,35 @@ def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
         y.float().square().mean().backward()
 
     steps = {"spconv_unet": plain_step} if _spconv_runs(device, dtype) else {}
+    if triton and triton_skip(device) is None:
+        torch.manual_seed(0)
+        tri = SpconvUNet(x.num_channels, classes, width, depth, device,
+                         package="spconv_triton").to(device)
+
+        def triton_step() -> None:
+            tri.zero_grad(set_to_none=True)
+            with _autocast(device, dtype):
+                y = tri(tri.tensor(x)).features
+            y.float().square().mean().backward()
+
+        steps["spconv_triton_unet"] = triton_step
     steps.update(sparseunet=ours_step, distributed_1x1x1=dist_step)
     return steps
 
 
 def _steps(x: SparseTensor, args: Any, device: torch.device,
            dtype: Optional[torch.dtype]) -> dict[str, Any]:
-    steps = unet_steps(x, args.width, args.depth, device, dtype)
+    steps = unet_steps(x, args.width, args.depth, device, dtype, args.triton)
     out: dict[str, Any] = {}
     if "spconv_unet" not in steps:
         out["spconv_unet"] = {"skipped": SKIP_CPU_AUTOCAST}
+    if args.triton and "spconv_triton_unet" not in steps:
+        out["spconv_triton_unet"] = {"skipped": triton_skip(device)}
     out.update(time_alternating(steps, device, args.repeats))
     base = out["spconv_unet"]
-    for name in ("sparseunet", "distributed_1x1x1"):
+    for name in ("sparseunet", "distributed_1x1x1", "spconv_triton_unet"):
+        if name not in steps:
+            continue
         if "median_s" in base:
             out[f"time_ratio_{name}_over_spconv"] = out[name]["median_s"] / base["median_s"]
         if base.get("peak_bytes"):
@@ -231,6 +263,11 @@ def _layer(x: SparseTensor, c: int, args: Any, device: torch.device,
         layers["spconv"] = ref_fn
     else:
         out["spconv"] = {"skipped": SKIP_CPU_AUTOCAST}
+    if args.triton:
+        if triton_skip(device) is None:
+            layers["spconv_triton"] = _triton_layer(x, c, feats, grad, device, dtype)
+        else:
+            out["spconv_triton"] = {"skipped": triton_skip(device)}
     for name, t in time_alternating(layers, device, args.repeats).items():
         out[name] = dict(t, tflops=useful / t["median_s"] / 1e12)
 
@@ -249,6 +286,25 @@ def _layer(x: SparseTensor, c: int, args: Any, device: torch.device,
     out["torch_mm"] = dict(t, tflops=dense / t["median_s"] / 1e12)
     del a, b, g
     return out
+
+
+def _triton_layer(x: SparseTensor, c: int, feats: torch.Tensor, grad: torch.Tensor,
+                  device: torch.device, dtype: Optional[torch.dtype]) -> Callable[[], None]:
+    """spconv-triton's ``SubMConv3d`` c -> c, fwd+bwd, on indices it built once (as spconv's)."""
+    import spconv_triton.pytorch as spt
+
+    torch.manual_seed(0)
+    ref = spt.SubMConv3d(c, c, 3, padding=1, bias=False, indice_key="l").to(device)
+    st = spt.SparseConvTensor(feats, x.coords, list(x.spatial_shape), x.batch_size)
+    with torch.no_grad():
+        st = ref(st).replace_feature(feats)
+
+    def fn() -> None:
+        f = feats.clone().requires_grad_()
+        with _autocast(device, dtype):
+            y = ref(st.replace_feature(f)).features
+        y.backward(grad.to(y.dtype))
+    return fn
 
 
 def _batchnorm(x: SparseTensor, c: int, args: Any, device: torch.device,
@@ -351,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "bf16 autocast its own layers compute in fp16 (their custom_fwd casts to "
                    "float16 whatever the autocast dtype) and the project's in float32")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--triton", action="store_true", help="also time the plain U-Net and the layer "
+                   "in spconv-triton's layers (pip install spconv-triton; GPUs only)")
     return p
 
 
@@ -383,7 +441,9 @@ def main(argv: list[str]) -> None:
         "steps": {}, "layer": {}, "batchnorm": {}, "complete": False}
     for name in names:
         steps = result["steps"][name] = _steps(x, args, device, PRECISIONS[name])
-        for net in ("spconv_unet", "sparseunet", "distributed_1x1x1"):
+        for net in ("spconv_unet", "spconv_triton_unet", "sparseunet", "distributed_1x1x1"):
+            if net not in steps:
+                continue
             t = steps[net]
             if "skipped" in t:
                 print(f"{name} step {net:18s} skipped: {t['skipped']}")
@@ -395,8 +455,8 @@ def main(argv: list[str]) -> None:
                   f"{steps['time_ratio_distributed_1x1x1_over_spconv']:.2f}")
         layer = result["layer"][name] = _layer(x, args.layer_channels, args, device,
                                                PRECISIONS[name])
-        for net in ("project", "spconv", "torch_mm"):
-            t = layer[net]
+        for net in ("project", "spconv", "spconv_triton", "torch_mm"):
+            t = layer.get(net, {"skipped": "not asked for"})
             if "skipped" in t:
                 continue
             print(f"{name} layer {args.layer_channels}->{args.layer_channels} {net:8s} "

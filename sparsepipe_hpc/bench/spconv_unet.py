@@ -9,16 +9,23 @@ stride 2, ``SparseInverseConv3d`` back onto the skip's voxels, ``torch.nn.BatchN
 blocks as :class:`sparsepipe_hpc.nn.SparseUNet` (stem, residual units, concatenating up-path, a
 linear head), so the two do the same arithmetic. spconv picks its algorithm as it does by default
 (implicit GEMM on CUDA); on CPU tensors Native is named explicitly, the one its CPU kernels run.
+
+``package="spconv_triton"`` builds the same network from spconv-triton's layers (a pure-Triton
+drop-in for spconv with the same API, ``pip install spconv-triton``; GPUs only), so ``bench gpu
+--triton`` can time both engines on one scene.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["SpconvUNet"]
+__all__ = ["SpconvUNet", "PACKAGES"]
+
+PACKAGES = ("spconv", "spconv_triton")
 
 
 def _algo(device: torch.device) -> Optional[Any]:
@@ -28,10 +35,8 @@ def _algo(device: torch.device) -> Optional[Any]:
 
 
 class _Res(nn.Module):
-    def __init__(self, cin: int, cout: int, key: str, algo: Any):
+    def __init__(self, cin: int, cout: int, key: str, algo: Any, sp: Any):
         super().__init__()
-        import spconv.pytorch as sp
-
         self.c1 = sp.SubMConv3d(cin, cout, 3, padding=1, bias=False, indice_key=key, algo=algo)
         self.b1 = nn.BatchNorm1d(cout)
         self.c2 = sp.SubMConv3d(cout, cout, 3, padding=1, bias=False, indice_key=key, algo=algo)
@@ -51,32 +56,39 @@ class SpconvUNet(nn.Module):
     """spconv layers in SparseUNet's shape: width doubling per level, ``depth`` levels."""
 
     def __init__(self, in_channels: int, num_classes: int, width: int = 32, depth: int = 4,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), package: str = "spconv"):
         super().__init__()
-        import spconv.pytorch as sp
+        if package not in PACKAGES:
+            raise ValueError(f"package must be one of {PACKAGES}; got {package!r}")
+        sp = importlib.import_module(f"{package}.pytorch")
+        self.sp = sp
+        if package == "spconv":
+            from sparsepipe_hpc.engine.spconv_engine import patch_spconv
 
-        from sparsepipe_hpc.engine.spconv_engine import patch_spconv
-
-        patch_spconv()
-        algo = _algo(device)
+            patch_spconv()
+        algo = _algo(device) if package == "spconv" else None
         w = [width * 2 ** i for i in range(depth + 1)]
         self.depth = depth
         self.stem = sp.SubMConv3d(in_channels, width, 3, padding=1, bias=False, indice_key="s0",
                                   algo=algo)
         self.stem_bn = nn.BatchNorm1d(width)
-        self.stem_res = _Res(width, width, "s0", algo)
+        self.stem_res = _Res(width, width, "s0", algo, sp)
         self.down = nn.ModuleList(sp.SparseConv3d(w[i], w[i + 1], 2, 2, bias=False,
                                                   indice_key=f"d{i + 1}", algo=algo)
                                   for i in range(depth))
         self.down_bn = nn.ModuleList(nn.BatchNorm1d(w[i + 1]) for i in range(depth))
-        self.down_res = nn.ModuleList(_Res(w[i + 1], w[i + 1], f"s{i + 1}", algo)
+        self.down_res = nn.ModuleList(_Res(w[i + 1], w[i + 1], f"s{i + 1}", algo, sp)
                                       for i in range(depth))
         self.up = nn.ModuleList(sp.SparseInverseConv3d(w[i + 1], w[i], 2, bias=False,
                                                        indice_key=f"d{i + 1}", algo=algo)
                                 for i in range(depth))
         self.up_bn = nn.ModuleList(nn.BatchNorm1d(w[i]) for i in range(depth))
-        self.up_res = nn.ModuleList(_Res(2 * w[i], w[i], f"s{i}", algo) for i in range(depth))
+        self.up_res = nn.ModuleList(_Res(2 * w[i], w[i], f"s{i}", algo, sp) for i in range(depth))
         self.head = nn.Linear(width, num_classes)
+
+    def tensor(self, x: Any) -> Any:
+        """A :class:`sparsepipe_hpc.sparse.SparseTensor` as this network's package's input."""
+        return self.sp.SparseConvTensor(x.feats, x.coords, list(x.spatial_shape), x.batch_size)
 
     def forward(self, x: Any) -> Any:
         y = self.stem(x)

@@ -14,8 +14,10 @@ spconv's hash-built indices and its submanifold kernels, Native on the CPU, impl
 (:mod:`.spconv_subm`); strided layers and the halo pairs of distributed layers keep explicit
 kernel maps. Measured on the CPU, one thread (``bench engine``, 157k voxels, U-Net width 16 depth
 4, forward+backward): the spconv engine's step 2.51 s -> 1.95 s with this path. Not measured yet:
-any GPU figure (``python -m sparsepipe_hpc.bench gpu`` gives them), nor spconv-triton, so the CUDA
-default stays spconv on spconv's own say-so rather than on a measurement here.
+any GPU figure (``python -m sparsepipe_hpc.bench gpu`` gives them), nor spconv-triton (a
+pure-Triton drop-in for spconv: ``bench gpu --triton`` times the plain U-Net and a layer in its
+layers beside spconv's), so the CUDA default stays spconv on spconv's own say-so rather than on
+a measurement here.
 """
 
 from __future__ import annotations
