@@ -80,8 +80,12 @@ def spconv_call(device: torch.device) -> Iterator[None]:
     """Around every spconv kernel call: one thread on CPU (:func:`single_thread`), and autocast
     off, since spconv runs some of its GEMMs through torch (``torch.mm`` for a submanifold
     centre), which autocast would hand back in another dtype than the kernels it feeds expect;
-    the layers already cast inputs to the autocast dtype (:mod:`sparsepipe_hpc.nn.amp`)."""
-    with single_thread(device), torch.autocast(device.type, enabled=False):
+    the layers already cast inputs to the autocast dtype (:mod:`sparsepipe_hpc.nn.amp`); on
+    CUDA, ``device`` made current: spconv launches on the current device and its current stream
+    whatever device its tensors are on (``spconv/pytorch/cppcore.py`` maps every ``cuda:N`` to
+    its device 0)."""
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with single_thread(device), torch.autocast(device.type, enabled=False), on_device:
         yield
 
 
