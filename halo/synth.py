@@ -50,7 +50,7 @@ def shell_cloud(rng: np.random.Generator, n: int, extent: Sequence[int],
     """Up to ``n`` voxels on sphere surfaces (a 2-D manifold, like a LiDAR or CAD scan)."""
     e = np.asarray(extent, np.float64)
     centres = rng.uniform(0.25, 0.75, size=(spheres, 3)) * e
-    radii = rng.uniform(0.1, 0.25, size=spheres) * e.min()
+    radii = rng.uniform(0.1, 0.25, size=spheres) * float(np.min(e))
     which = rng.integers(0, spheres, size=n)
     v = rng.normal(size=(n, 3))
     v /= np.linalg.norm(v, axis=1, keepdims=True)

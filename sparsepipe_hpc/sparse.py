@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["SparseTensor", "SparseTensorError", "MAX_EXTENT", "MAX_BATCH"]
@@ -100,7 +101,7 @@ class SparseTensor:
         return cls(t.indices.int(), t.features, tuple(t.spatial_shape), int(t.batch_size), stride)
 
     @classmethod
-    def from_voxels(cls, samples: Sequence[Any], spatial_shape: Sequence[int],
+    def from_voxels(cls, samples: Sequence[Any], spatial_shape: Sequence[int] | np.ndarray,
                     dtype: torch.dtype = torch.float32) -> "SparseTensor":
         """Batch per-sample voxel sets (objects with ``coords [n, 3]`` and ``feats [n, C]``)."""
         coords, feats = [], []

@@ -38,7 +38,8 @@ class Voxels:
 
 
 def voxelize(points: np.ndarray | torch.Tensor, feats: np.ndarray | torch.Tensor | None,
-             voxel_size: float, origin: Sequence[float], spatial_shape: Sequence[int],
+             voxel_size: float, origin: Sequence[float] | np.ndarray,
+             spatial_shape: Sequence[int] | np.ndarray,
              labels: np.ndarray | torch.Tensor | None = None, num_classes: int | None = None,
              clip: bool = False, name: str = "points") -> Voxels:
     """Quantize ``points [P, 3]`` (metres) into voxels of edge ``voxel_size`` (metres).
@@ -70,8 +71,9 @@ def voxelize(points: np.ndarray | torch.Tensor, feats: np.ndarray | torch.Tensor
         if not clip:
             i = int((~inside).nonzero()[0])
             raise VoxelizeError(
-                f"{name}: {int((~inside).sum())} point(s) fall outside the grid (origin {tuple(origin)}, "
-                f"{tuple(spatial_shape)} voxels of {voxel_size} m); first: point {i} at "
+                f"{name}: {int((~inside).sum())} point(s) fall outside the grid (origin "
+                f"{tuple(float(o) for o in origin)}, {tuple(int(n) for n in spatial_shape)} "
+                f"voxels of {voxel_size} m); first: point {i} at "
                 f"{pts[i].tolist()} -> voxel {idx[i].tolist()}. Enlarge the grid or pass clip=True")
         if not bool(inside.any()):
             raise VoxelizeError(f"{name}: every point falls outside the grid")
