@@ -24,6 +24,18 @@ def test_counts_inputs_and_outputs_and_skips_views_and_allocations():
     assert r["ops"] == {"add": {"bytes": 12000, "calls": 1}, "copy_": {"bytes": 12000, "calls": 1},
                         "sum": {"bytes": 4004, "calls": 1}}
     assert r["total_bytes"] == 28004
+    assert r["saved_bytes"] == 0  # nothing needed a gradient
+
+
+def test_saved_bytes_count_each_storage_once():
+    """What autograd keeps for backward: x once though two ops save it, y; not the views."""
+    x = torch.ones(1000, requires_grad=True)
+
+    def step():
+        y = x * x  # mul saves x (twice: both operands)
+        y.view(10, 100).exp()  # exp saves its output (a new storage); the view saves nothing
+
+    assert count_traffic(step)["saved_bytes"] == 4000 + 4000
 
 
 def test_traffic_benchmark_runs_on_cpu_and_writes_its_figures(tmp_path):
@@ -41,5 +53,6 @@ def test_traffic_benchmark_runs_on_cpu_and_writes_its_figures(tmp_path):
     for net in nets.values():
         assert net["total_bytes"] == sum(o["bytes"] for o in net["ops"].values()) > 0
         assert "view" not in net["ops"] and "mm" in net["ops"]
+        assert net["saved_bytes"] > 0
     # the two U-Nets do the same GEMMs (spconv's Native algorithm on the CPU calls torch.mm)
     assert nets["sparseunet"]["ops"]["mm"] == nets["spconv_unet"]["ops"]["mm"]
