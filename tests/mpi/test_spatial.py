@@ -59,11 +59,12 @@ def rows_of(ref: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
 
 
 def run_pair(comm, grid, cuts, net, x, align, probe_seed=7, explicit=None, transport=None,
-             reducer=None, bucketed=False):
+             reducer=None, bucketed=False, tol=TOL):
     """Serial and distributed forward+backward of ``net`` on ``x``; returns what to compare.
     ``explicit``: Cuts to use instead of the context's (any positions, aligned or not);
     ``transport``, ``reducer``: ParallelContext's arguments; ``bucketed``: gradients through
-    its GradientReducer (started in backward), else one flat all-reduce after it."""
+    its GradientReducer (started in backward), else one flat all-reduce after it; ``tol``:
+    assert_close's tolerances."""
     torch.manual_seed(0)
     serial = net().double()
     dist = copy.deepcopy(serial)
@@ -85,23 +86,23 @@ def run_pair(comm, grid, cuts, net, x, align, probe_seed=7, explicit=None, trans
         (ys.feats * r).sum().backward()
         rows = rows_of(ys.coords, yd.coords)
         (yd.feats * r[rows]).sum().backward()
-        torch.testing.assert_close(yd.feats, ys.feats[rows].detach(), **TOL)
+        torch.testing.assert_close(yd.feats, ys.feats[rows].detach(), **tol)
         n_out = comm.allreduce(len(yd.coords))
         assert n_out == len(ys.coords), "outputs lost or duplicated across ranks"
     else:  # dense per-sample output, a copy on every rank: each carries 1/size of the loss
         r = torch.randn(ys.shape, generator=g, dtype=torch.float64)
         (ys * r).sum().backward()
         ((yd * r).sum() / ctx.spatial_size).backward()
-        torch.testing.assert_close(yd, ys.detach(), **TOL)
+        torch.testing.assert_close(yd, ys.detach(), **tol)
     in_rows = rows_of(x.coords, xl.coords)
-    torch.testing.assert_close(fd.grad, fs.grad[in_rows], **TOL)
+    torch.testing.assert_close(fd.grad, fs.grad[in_rows], **tol)
     if buckets is not None:
         buckets.finish()
         buckets.close()
     else:
         ctx.allreduce_gradients(dist)
     for (name, ps), pd in zip(serial.named_parameters(), dist.parameters()):
-        torch.testing.assert_close(pd.grad, ps.grad, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(pd.grad, ps.grad, **tol, msg=lambda m: f"{name}: {m}")
 
 
 LAYERS = {
