@@ -14,9 +14,12 @@ the plain unpipelined full-batch step (micro-batching is then invisible).
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 import sys
 import traceback
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,15 +132,16 @@ def pipelined(request):
 
 
 def _pipelined(comm, model, batch, name, stages, grid, kind, m, backward=True, deferred_bn=None,
-               device_comm=None):
+               device_comm=None, balance=None):
     """This rank's part of the pipelined step; returns (position, carry plan, global loss).
-    ``device_comm``: the trainer's DeviceComm (halo, reducer and stage-payload makers)."""
+    ``device_comm``: the trainer's DeviceComm (halo, reducer and stage-payload makers);
+    ``balance``: blocks per stage (default BALANCE's)."""
     layout = RankLayout.from_world(comm.size, grid=grid, stages=stages)
     dc = device_comm or DeviceComm()
     ctx = ParallelContext(comm, layout, transport=dc.halo, reducer=dc.reducer)
     pos = ctx.position
     x, vlab, slab = batch
-    pipe = Pipeline(model, ctx, balance=",".join(map(str, BALANCE[name][stages])),
+    pipe = Pipeline(model, ctx, balance=",".join(map(str, balance or BALANCE[name][stages])),
                     schedule=kind, micro_batches=m, deferred_bn=deferred_bn,
                     transport=dc.stages)
     per = GLOBAL_BATCH // layout.replicas
@@ -223,6 +227,48 @@ class StandIn:
 
     def device_comm(self) -> DeviceComm:
         return DeviceComm(halo=self.transport, reducer=self.reducer, stages=self.transport)
+
+
+def random_layouts(size: int) -> list[tuple[int, tuple[int, int, int], int]]:
+    """Every (stages, grid, replicas) with ``size`` ranks whose replicas divide the batch."""
+    out = []
+    for stages in (s for s in range(1, size + 1) if size % s == 0):
+        rest = size // stages
+        for grid in itertools.product(range(1, rest + 1), repeat=3):
+            if rest % math.prod(grid) == 0 and GLOBAL_BATCH % (rest // math.prod(grid)) == 0:
+                out.append((stages, grid, rest // math.prod(grid)))
+    return out
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_random_pipelines_equal_micro_batched_serial(comm, pipelined, case):
+    """Drawn layouts (stages x grid x replicas of this world), balances (any contiguous split of
+    the blocks), micro-batch counts and schedules, on drawn batches: loss, gradients and running
+    statistics equal the serial run over the same micro-batches."""
+    rng = np.random.default_rng(100 * comm.size + case)
+    name = str(rng.choice(["unet", "resnet"]))
+    blocks = 6 if name == "unet" else 4
+    fits = [lay for lay in random_layouts(comm.size) if lay[0] <= blocks]
+    if not fits:
+        pytest.skip(f"no layout of {comm.size} ranks has at most {blocks} stages")
+    stages = int(rng.choice(sorted({lay[0] for lay in fits})))  # stages first, then the rest
+    fits = [lay for lay in fits if lay[0] == stages]
+    stages, grid, replicas = fits[int(rng.integers(len(fits)))]
+    cuts = sorted(int(c) for c in rng.choice(np.arange(1, blocks), stages - 1, replace=False))
+    balance = np.diff([0, *cuts, blocks]).tolist()
+    m = int(rng.integers(1, GLOBAL_BATCH // replicas + 1))
+    kind = str(rng.choice(["gpipe", "1f1b"]))
+    batch = make_batch(int(rng.integers(1 << 30)))
+    ref = build(name)
+    model = copy.deepcopy(ref)
+    groups = [sum((micro_samples(replicas, m)[r][i] for r in range(replicas)), [])
+              for i in range(m)]
+    ref_loss = oracle(ref, batch, name, groups)
+    pos, plan, loss = pipelined(comm, model, batch, name, stages, grid, kind, m, True, None, None,
+                                balance)
+    where = f"{name}, {stages} stages {balance}, grid {grid}, {replicas} replicas, m={m}, {kind}"
+    assert loss == pytest.approx(ref_loss, rel=1e-10), where
+    compare(model, ref, plan.stages[pos.stage], pos)
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
