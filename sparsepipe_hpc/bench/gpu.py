@@ -234,8 +234,6 @@ def _layer(x: SparseTensor, c: int, args: Any, device: torch.device,
     xs = x.replace(feats=feats, kmaps={})
     torch.manual_seed(0)
     ours = SubMConv3d(c, c, 3).to(device)
-    ref = sp.SubMConv3d(c, c, 3, padding=1, bias=False, indice_key="l", algo=_algo(device))
-    ref = ref.to(device)
     grad = torch.randn(n, c, device=device)
 
     def ours_fn() -> None:
@@ -244,30 +242,23 @@ def _layer(x: SparseTensor, c: int, args: Any, device: torch.device,
             y = ours(xs.replace(feats=f)).feats
         y.backward(grad.to(y.dtype))
 
-    st = sp.SparseConvTensor(feats, x.coords, list(x.spatial_shape), x.batch_size)
-    with torch.no_grad():  # spconv keeps the indices it builds on its output (key "l"), not on
-        st = ref(st).replace_feature(feats)  # its input: time it on them, as ours on its map
-
-    def ref_fn() -> None:
-        f = feats.clone().requires_grad_()
-        with _autocast(device, dtype):
-            y = ref(st.replace_feature(f)).features
-        y.backward(grad.to(y.dtype))
-
     useful = 3 * 2 * pairs * c * c
     dense = 3 * 2 * n * 27 * c * c
     out: dict[str, Any] = {"channels": c, "voxels": n, "pairs": pairs,
                            "useful_flop": useful, "dense_flop": dense}
     layers = {"project": ours_fn}
     if _spconv_runs(device, dtype):
-        layers["spconv"] = ref_fn
+        layers["spconv"] = _plain_layer(sp, _algo(device), x, c, feats, grad, device, dtype)
     else:
         out["spconv"] = {"skipped": SKIP_CPU_AUTOCAST}
     if args.triton:
-        if triton_skip(device) is None:
-            layers["spconv_triton"] = _triton_layer(x, c, feats, grad, device, dtype)
+        skip = triton_skip(device)
+        if skip is None:
+            import spconv_triton.pytorch as spt
+
+            layers["spconv_triton"] = _plain_layer(spt, None, x, c, feats, grad, device, dtype)
         else:
-            out["spconv_triton"] = {"skipped": triton_skip(device)}
+            out["spconv_triton"] = {"skipped": skip}
     for name, t in time_alternating(layers, device, args.repeats).items():
         out[name] = dict(t, tflops=useful / t["median_s"] / 1e12)
 
@@ -288,16 +279,15 @@ def _layer(x: SparseTensor, c: int, args: Any, device: torch.device,
     return out
 
 
-def _triton_layer(x: SparseTensor, c: int, feats: torch.Tensor, grad: torch.Tensor,
-                  device: torch.device, dtype: Optional[torch.dtype]) -> Callable[[], None]:
-    """spconv-triton's ``SubMConv3d`` c -> c, fwd+bwd, on indices it built once (as spconv's)."""
-    import spconv_triton.pytorch as spt
-
-    torch.manual_seed(0)
-    ref = spt.SubMConv3d(c, c, 3, padding=1, bias=False, indice_key="l").to(device)
-    st = spt.SparseConvTensor(feats, x.coords, list(x.spatial_shape), x.batch_size)
-    with torch.no_grad():
-        st = ref(st).replace_feature(feats)
+def _plain_layer(sp: Any, algo: Any, x: SparseTensor, c: int, feats: torch.Tensor,
+                 grad: torch.Tensor, device: torch.device,
+                 dtype: Optional[torch.dtype]) -> Callable[[], None]:
+    """``sp.SubMConv3d`` c -> c fwd+bwd (``sp``: spconv's or spconv-triton's ``pytorch``
+    module), on the indices it built once, as the project's layer runs on its map."""
+    ref = sp.SubMConv3d(c, c, 3, padding=1, bias=False, indice_key="l", algo=algo).to(device)
+    st = sp.SparseConvTensor(feats, x.coords, list(x.spatial_shape), x.batch_size)
+    with torch.no_grad():  # the indices it builds are kept on its output (key "l"), not on its
+        st = ref(st).replace_feature(feats)  # input: time it on them
 
     def fn() -> None:
         f = feats.clone().requires_grad_()
