@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import repo_env
 from sparsepipe_hpc.deps import DependencyError, check_spconv, installed_builds
 
 if sys.version_info >= (3, 11):
@@ -88,8 +89,8 @@ def test_cli_with_two_spconv_builds_exits_2(tmp_path):
     info = tmp_path / "site" / f"{other.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {other}\nVersion: {version}\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path / "site")]))
+    env = repo_env(OMP_NUM_THREADS="1")  # keeps a PYTHONPATH install (the GPU machine's .site)
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path / "site")
     proc = subprocess.run([sys.executable, "-m", "sparsepipe_hpc.train", "--steps", "1",
                            "--out", str(tmp_path / "run")], env=env, capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
