@@ -75,6 +75,16 @@ class SparseTensor:
         """A tensor sharing this one's kernel maps and context, with some fields changed."""
         return replace(self, **changes)
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "SparseTensor":
+        """This tensor with coords and feats on ``device`` (itself when both are there already).
+        Its kernel maps stay behind: the layers build new ones from the moved coordinates, on
+        ``device``."""
+        device = torch.device(device)
+        if self.coords.device == device and self.feats.device == device:
+            return self
+        return replace(self, coords=self.coords.to(device, non_blocking=non_blocking),
+                       feats=self.feats.to(device, non_blocking=non_blocking), kmaps={})
+
     def validate_bounds(self, name: str = "input") -> None:
         """Raise if any coordinate lies outside [0, spatial_shape) or batch outside [0, batch_size)."""
         if self.num_voxels == 0:

@@ -14,11 +14,11 @@ from mpi4py import MPI
 from sparsepipe_hpc.data.synth import generate_scenes
 from sparsepipe_hpc.train import checkpoint as ck
 from sparsepipe_hpc.train.config import ConfigError, parse_config
-from sparsepipe_hpc.train.device import Precision, move_tensor, resolve_device
+from sparsepipe_hpc.train.device import Precision, resolve_device
 from sparsepipe_hpc.train.loop import SetupError, Trainer
 from sparsepipe_hpc.train.metrics import read_metrics
 
-from helpers import random_cloud, repo_env
+from helpers import repo_env
 from test_mpi import mpi_env, mpirun_command
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -101,14 +101,6 @@ def test_cli_device_cuda_without_cuda_exits_2_on_every_rank(tmp_path):
                              "device") == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert time.perf_counter() - t < 200
-
-
-def test_move_tensor_keeps_values_and_drops_kernel_maps(gen):
-    x = random_cloud(gen, 100, dtype=torch.float32)
-    x.kmaps["k"] = object()
-    assert move_tensor(x, torch.device("cpu")) is x
-    meta = move_tensor(x, torch.device("meta"))
-    assert meta.feats.device.type == "meta" and meta.kmaps == {}
 
 
 # --- checkpoint state ----------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
 
     n = comm.Get_size()
     x = synthetic_room(voxel_size=args.voxel_size, points=args.points)
-    x = x.replace(coords=x.coords.to(device), feats=x.feats.to(device))
+    x = x.to(device)
     align = 2 ** args.depth
     result["scene"] = {"voxels": x.num_voxels, "spatial_shape": list(x.spatial_shape),
                        "voxel_size": args.voxel_size, "width": args.width, "depth": args.depth}

@@ -96,7 +96,7 @@ def main(argv: list[str]) -> None:
     device = torch.device(args.device)
     torch.set_num_threads(1)  # spconv's CPU build is only correct on one thread
     x = synthetic_rooms(args.rooms, args.voxel_size, args.points)
-    x = x.replace(coords=x.coords.to(device), feats=x.feats.to(device))
+    x = x.to(device)
     print(f"{args.rooms} room(s) at {args.voxel_size} m: {x.num_voxels} voxels; U-Net width "
           f"{args.width} depth {args.depth}; {args.precision} on {device}")
     result: dict[str, Any] = {

@@ -81,9 +81,7 @@ class Batch:
 
     def to(self, device: torch.device | str) -> "Batch":
         """The same batch with every tensor on ``device``."""
-        return Batch(self.x.replace(coords=self.x.coords.to(device),
-                                    feats=self.x.feats.to(device)),
-                     self.labels.to(device), [t.to(device) for t in self.point_to_voxel],
+        return Batch(self.x.to(device), self.labels.to(device), [t.to(device) for t in self.point_to_voxel],
                      self.offsets.to(device), [t.to(device) for t in self.point_labels],
                      list(self.names))
 

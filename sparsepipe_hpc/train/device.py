@@ -32,7 +32,7 @@ import torch
 from sparsepipe_hpc.train.config import ConfigError
 
 __all__ = ["DEVICES", "PRECISIONS", "resolve_device", "trainer_device", "cuda_device_count",
-           "compute_threads", "AgreedGradScaler", "Precision", "move_tensor"]
+           "compute_threads", "AgreedGradScaler", "Precision"]
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -67,12 +67,12 @@ def resolve_device(name: str, local_rank: int = 0, count: Optional[int] = None) 
             f"{torch.version.cuda or 'none'}, CUDA_VISIBLE_DEVICES="
             f"{'unset' if visible is None else repr(visible)}); run on a GPU machine with a CUDA "
             "build of torch, or pass --device cpu (or auto, which falls back to the CPU)")
-    from launch.device import gpu_for_local_rank
+    from launch.device import gpu_for_local_rank, make_current
 
     index = gpu_for_local_rank(local_rank, n)
     assert index is not None  # n > 0
-    if count is None:  # a real device: make it current, as launch.device.bind_gpu does
-        torch.cuda.set_device(index)
+    if count is None:  # a real device: current for torch and CuPy, as launch.device.bind_gpu does
+        make_current(index)
     return torch.device("cuda", index)
 
 
@@ -102,18 +102,6 @@ def trainer_device(cfg: Any, comm: Any) -> torch.device:
         return torch.device("cpu")
     local_rank = detect(comm).local_rank
     return agree(comm, lambda: resolve_device(cfg.device, local_rank))
-
-
-def move_tensor(x: Any, device: torch.device) -> Any:
-    """A SparseTensor with coordinates and features on ``device`` (itself when already there).
-
-    Call it before the first layer: kernel maps built from the moved coordinates live on the
-    device too.
-    """
-    if x.feats.device == device and x.coords.device == device:
-        return x
-    return x.replace(coords=x.coords.to(device, non_blocking=True),
-                     feats=x.feats.to(device, non_blocking=True), kmaps={})
 
 
 class AgreedGradScaler(torch.amp.GradScaler):

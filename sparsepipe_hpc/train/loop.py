@@ -57,7 +57,7 @@ from sparsepipe_hpc.parallel.input import LocalBatch, read_distributed
 from sparsepipe_hpc.data.prefetch import Prefetcher
 from sparsepipe_hpc.train.config import (TrainConfig, distributed_input, local_batch_size,
                                          resolve_layout, use_prefetch)
-from sparsepipe_hpc.train.device import Precision, move_tensor, trainer_device
+from sparsepipe_hpc.train.device import Precision, trainer_device
 from sparsepipe_hpc.train.transport import device_comm, trainer_transport
 from sparsepipe_hpc.train.metrics import MetricsLog, format_summary
 from sparsepipe_hpc.train.evaluation import eval_text, evaluate
@@ -269,7 +269,7 @@ class Trainer:
             (x,) = self.ctx.distribute(batch.x, align=self.stride)
             labels = batch.labels
         with self.precision.autocast():
-            out = self.model(move_tensor(x, dev))
+            out = self.model(x.to(dev, non_blocking=True))
         logits = out.feats if self.seg else out
         return logits.float(), labels.to(dev, non_blocking=True), x.num_voxels
 

@@ -40,7 +40,7 @@ from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.gradients import GradientReducer
 from sparsepipe_hpc.pipeline.executor import sample_bounds, split_batch
 from sparsepipe_hpc.pipeline.runner import Pipeline
-from sparsepipe_hpc.train.device import Precision, move_tensor
+from sparsepipe_hpc.train.device import Precision
 from sparsepipe_hpc.tracing import span
 
 __all__ = ["plain_step", "pipeline_step", "pipeline_logits"]
@@ -102,7 +102,7 @@ def pipeline_step(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: bo
             else:
                 (x,) = ctx.distribute(part[0], align=stride)
                 y = batch.labels[lo:hi]
-            inputs.append(move_tensor(x, pipe.device) if pipe.is_first else x)
+            inputs.append(x.to(pipe.device, non_blocking=True) if pipe.is_first else x)
             contexts.append(x.context)
             targets.append(y.to(pipe.device) if pipe.is_last else y)
             n_local += x.num_voxels
@@ -142,7 +142,7 @@ def pipeline_logits(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: 
         (x,) = ctx.distribute(batch.x, align=stride)
         labels = batch.labels
     if pipe.is_first:
-        x = move_tensor(x, pipe.device)
+        x = x.to(pipe.device, non_blocking=True)
     out = pipe.run([x], [x.context], lambda i, o: (o.feats if seg else o).float(),
                    backward=False)
     return (out[0], labels.to(pipe.device)) if out else None
