@@ -49,12 +49,22 @@ class Recorder:
         self.spans: list[Span] = []
 
     @classmethod
-    def start(cls, comm: Any = None) -> "Recorder":
+    def start(cls, comm: Any = None, device: Any = None) -> "Recorder":
         """A recorder whose zero is the end of a barrier over ``comm`` (collective), so every
-        rank's times share an origin; ``comm=None``: now."""
+        rank's times share an origin; ``comm=None``: now. On a CUDA ``device`` (a torch.device)
+        each clock reading first waits for the GPU work queued so far, so a span holds the
+        kernels it launched rather than only their launch; tracing then stops the host from
+        running ahead of the GPU, and a traced step is slower."""
+        clock: Callable[[], float] = time.perf_counter
+        if device is not None and device.type == "cuda":
+            import torch
+
+            def clock() -> float:
+                torch.cuda.synchronize(device)
+                return time.perf_counter()
         if comm is not None:
             comm.Barrier()
-        return cls()
+        return cls(clock)
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str, **args: Any) -> Iterator[dict[str, Any]]:

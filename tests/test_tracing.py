@@ -35,6 +35,22 @@ def test_spans_nest_and_record_only_while_active():
     assert rec.spans[1].args == {"micro_batch": 0}
 
 
+
+def test_a_cuda_recorder_waits_for_the_gpu_at_every_clock_reading(monkeypatch):
+    """On CUDA a span must end after the kernels it launched ran, not when they were queued."""
+    import torch
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    cuda = torch.device("cuda", 1)
+    rec = Recorder.start(device=cuda)
+    assert synced == [cuda]                     # the zero
+    with recording(rec), span("F0", "forward"):
+        pass
+    assert synced == [cuda] * 3 and len(rec.spans) == 1
+    Recorder.start(device=torch.device("cpu")).clock()
+    assert len(synced) == 3                     # a CPU recorder never asks CUDA
+
 def test_chrome_trace_has_a_row_per_rank_and_outer_spans_first():
     rows = [[Span("halo wait", "halo", 2.0, 3.0), Span("F0", "forward", 2.0, 4.0)],
             [Span("RA0<0", "recv", 0.0, 1.5)]]

@@ -366,7 +366,8 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc=cfg.task, unit="step",
                    disable=not (self.is_root and cfg.progress), mininterval=0.5, file=sys.stderr,
                    dynamic_ncols=True)
-        recorder = Recorder.start(self.comm) if cfg.trace or cfg.plot else None  # collective
+        recorder = (Recorder.start(self.comm, self.device)  # collective
+                    if cfg.trace or cfg.plot else None)
         with self._prefetching():  # --prefetch: the next batch read during each step
             last_train, last_eval, stopped = self._train_steps(bar, recorder)
         bar.close()
