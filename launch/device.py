@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
+from collections import Counter
+from typing import Any
 
 from launch.env import Placement
 
-__all__ = ["select_gpu", "bind_gpu", "gpu_for_local_rank", "visible_gpu_count", "visible_devices",
-           "physical_gpu"]
+__all__ = ["select_gpu", "bind_gpu", "make_current", "gpu_for_local_rank", "visible_gpu_count",
+           "visible_devices", "physical_gpu", "gpu_uuid", "ranks_per_gpu"]
 
 _INDEX = re.compile(r"^\d+$")
 _UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z/-]+$")
@@ -109,15 +112,45 @@ def physical_gpu(index: int | None) -> str:
     return str(index)
 
 
-def bind_gpu(placement: Placement) -> int | None:
-    """Select this rank's GPU and make it current for torch (and CuPy, if imported); return it."""
-    index = select_gpu(placement)
-    if index is None:
-        return None
+def make_current(index: int) -> None:
+    """Make CUDA device ``index`` current for torch, and for CuPy if it is imported."""
     import torch
 
     torch.cuda.set_device(index)
     cupy = sys.modules.get("cupy")
     if cupy is not None:
         cupy.cuda.Device(index).use()
+
+
+def bind_gpu(placement: Placement) -> int | None:
+    """Select this rank's GPU and make it current for torch (and CuPy, if imported); return it."""
+    index = select_gpu(placement)
+    if index is not None:
+        make_current(index)
     return index
+
+
+def gpu_uuid(index: int) -> str | None:
+    """The driver's UUID of CUDA device ``index``: the same in every process that uses that GPU,
+    whatever each one's ``CUDA_VISIBLE_DEVICES`` says; ``None`` where torch cannot tell."""
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:  # no CUDA, or a torch without the field
+        return None
+    return uuid or None
+
+
+def ranks_per_gpu(comm: Any, index: int | None) -> int:
+    """The most ranks of ``comm`` on one GPU, ``index`` being this rank's CUDA device (1 when
+    every rank has its own); ``index=None`` (no GPU): the most ranks on one node. **Collective.**
+
+    A GPU is named by its UUID, so ranks that each see only their own GPU as device 0 (``srun
+    --gpus-per-task=1``, a per-rank ``CUDA_VISIBLE_DEVICES``) count as one per GPU; where torch
+    gives no UUID, by host and :func:`physical_gpu`. Initializes CUDA in this process: call it
+    once the rank computes on its GPU.
+    """
+    host = socket.gethostname()
+    where = (host, "cpu") if index is None else (gpu_uuid(index) or (host, physical_gpu(index)))
+    return max(Counter(comm.allgather(where)).values())

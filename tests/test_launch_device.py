@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.device import (gpu_for_local_rank, physical_gpu, select_gpu, visible_devices,
-                           visible_gpu_count)
+import launch.device
+from launch.device import (gpu_for_local_rank, gpu_uuid, physical_gpu, ranks_per_gpu, select_gpu,
+                           visible_devices, visible_gpu_count)
 from launch.env import Placement
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,6 +74,57 @@ def test_physical_gpu_follows_cuda_visible_devices(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert physical_gpu(2) == "2"
 
+
+
+class _Comm:
+    """An allgather that answers ``everyone`` (what all ranks sent) and keeps this rank's value."""
+
+    def __init__(self, everyone=()):
+        self.everyone, self.mine = list(everyone), None
+
+    def allgather(self, value):
+        self.mine = value
+        return self.everyone or [value]
+
+
+def _gpu_names(monkeypatch, ranks):
+    """What each rank of ``ranks`` [(its GPU's UUID or None, its CUDA_VISIBLE_DEVICES, its
+    device index)] sends to ranks_per_gpu's allgather."""
+    sent = []
+    for uuid, visible, index in ranks:
+        monkeypatch.setattr(launch.device, "gpu_uuid", lambda i, u=uuid: u)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        comm = _Comm()
+        ranks_per_gpu(comm, index)
+        sent.append(comm.mine)
+    return sent
+
+
+def test_ranks_per_gpu_tells_own_gpus_from_a_shared_one(monkeypatch):
+    # srun --gpus-per-task=1 with per-task device cgroups: every rank sees its GPU as "0".
+    own = _gpu_names(monkeypatch, [("GPU-a", "0", 0), ("GPU-b", "0", 0), ("GPU-c", "0", 0)])
+    assert ranks_per_gpu(_Comm(own), 0) == 1
+    # mpirun, 4 ranks round-robin on 2 visible GPUs of one node.
+    two = _gpu_names(monkeypatch, [("GPU-a", "0,1", 0), ("GPU-b", "0,1", 1),
+                                   ("GPU-a", "0,1", 0), ("GPU-b", "0,1", 1)])
+    assert ranks_per_gpu(_Comm(two), 0) == 2
+    # No UUID from torch: host and CUDA_VISIBLE_DEVICES entry name the GPU.
+    named = _gpu_names(monkeypatch, [(None, "4,5", 0), (None, "4,5", 1), (None, "5", 0)])
+    assert named[1] == named[2] != named[0]
+    assert ranks_per_gpu(_Comm(named), 0) == 2
+
+
+def test_ranks_per_gpu_without_a_gpu_counts_ranks_per_node(monkeypatch):
+    on_node = _gpu_names(monkeypatch, [(None, "", None)] * 3)
+    assert ranks_per_gpu(_Comm(on_node), None) == 3
+
+
+def test_gpu_uuid_is_none_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the UUID is real")
+    assert gpu_uuid(0) is None
 
 def test_count_asks_torch_when_a_driver_is_present(monkeypatch):
     class FakeCuda:

@@ -26,10 +26,8 @@ difference between the modes is what overlap adds.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -201,13 +199,9 @@ def ranks_note(device_type: str, ranks: int, ranks_per_device: int, cores: int) 
 
 def ranks_per_device(comm: Any, device: torch.device) -> int:
     """Ranks on the most crowded GPU (cuda) or node (cpu) of the job (collective)."""
-    if device.type == "cuda":
-        from launch.device import physical_gpu
+    from launch.device import ranks_per_gpu
 
-        where = (socket.gethostname(), physical_gpu(torch.cuda.current_device()))
-    else:
-        where = (socket.gethostname(), "cpu")
-    return max(Counter(comm.allgather(where)).values())
+    return ranks_per_gpu(comm, torch.cuda.current_device() if device.type == "cuda" else None)
 
 
 def ranks_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Module],

@@ -35,7 +35,13 @@ __all__ = ["trainer_transport", "device_comm", "DeviceComm", "check_mpi_threads"
 def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
     """The transport name for ``cfg.transport`` on ``device``. **Collective** over ``comm``: a
     ConfigError on any rank is raised on every rank."""
+    from launch.device import ranks_per_gpu
     from sparsepipe_hpc.train.agreement import SetupError, agree
+
+    # Outside pick: every rank must reach this collective, whatever pick raises where.
+    gpu = None if device.type != "cuda" else (
+        torch.cuda.current_device() if device.index is None else device.index)
+    shared = ranks_per_gpu(comm, gpu) > 1
 
     def pick() -> str:
         try:
@@ -51,9 +57,6 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
                     "or auto")
             if cfg.transport == "auto":
                 return "staged"
-            from launch.env import detect
-
-            shared = detect(comm).local_size > max(1, torch.cuda.device_count())
             return choose_transport(cfg.transport, "cuda", nccl=nccl_available(),
                                     shared_gpu=shared)
         except TransportError as e:
