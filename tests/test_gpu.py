@@ -180,3 +180,40 @@ def test_gpu_benchmark_runs_on_cuda(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["steps"]["fp16"]["spconv_unet"]["peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_trainer_on_gpu_resumes_to_the_uninterrupted_run(tmp_path, precision):
+    """``train --device cuda`` in one process, end to end: 4 steps straight, and 2 steps then a
+    resume to 4 from the checkpoint (CUDA RNG state; fp16: the loss scale) end at the same loss
+    (a constant learning rate: a cosine's shape depends on --steps). spconv's CUDA backward adds
+    with atomics, so the two agree to rounding, not bitwise. (The same on the CPU is bitwise.)"""
+    from mpi4py import MPI
+
+    from sparsepipe_hpc.data.synth import generate_scenes
+    from sparsepipe_hpc.train.checkpoint import load_checkpoint
+    from sparsepipe_hpc.train.config import parse_config
+    from sparsepipe_hpc.train.loop import Trainer
+    from sparsepipe_hpc.train.metrics import read_metrics
+
+    data = generate_scenes(tmp_path / "data", train=8, val=2, seed=0, objects=(2, 4),
+                           points=(1500, 2500))
+
+    def run(out, steps, *extra):
+        cfg = parse_config(["--data", str(data), "--out", str(tmp_path / out), "--width", "4",
+                            "--depth", "2", "--voxel-size", "0.2", "--batch-size", "2",
+                            "--no-progress", "--device", "cuda", "--precision", precision,
+                            "--steps", str(steps), "--lr", "0.01", "--schedule", "constant",
+                            *extra])
+        t = Trainer(cfg, MPI.COMM_SELF, log=None)
+        t.run()
+        assert all(p.is_cuda and p.dtype == torch.float32 for p in t.model.parameters())
+        return [r["loss"] for r in read_metrics(tmp_path / out / "metrics.jsonl", "train")]
+
+    straight = run("a", 4)
+    run("b", 2)
+    saved = load_checkpoint(tmp_path / "b" / "last.pt")
+    assert "cuda" in saved["rng"][0] and ("scaler" in saved) == (precision == "fp16")
+    resumed = run("b", 4, "--resume", "auto")
+    assert len(straight) == len(resumed) == 4
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-3, atol=1e-4)
