@@ -40,6 +40,11 @@ def device_comm(comm, name: str):
 
 @pytest.fixture(autouse=True)
 def _my_gpu(comm):
+    """This rank's GPU; and an MPI that autograd's CUDA thread may call (halo adjoints, BatchNorm
+    sums and gradient buckets run there), as the trainer checks at start-up."""
+    from sparsepipe_hpc.train.transport import check_mpi_threads
+
+    check_mpi_threads(comm)
     torch.cuda.set_device(comm.rank % torch.cuda.device_count())
 
 
