@@ -47,6 +47,10 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
     for net in ("spconv_unet", "sparseunet", "distributed_1x1x1"):
         assert fp32[net]["median_s"] > 0 and fp32[net]["peak_bytes"] is None  # no device memory
     assert fp32["time_ratio_distributed_1x1x1_over_spconv"] > 0
+    for net in ("spconv_unet", "sparseunet", "distributed_1x1x1"):  # a CPU has torch ops only
+        n = fp32["launches"][net]
+        assert n["aten_ops"] > 100 and n["kernels"] == n["syncs"] == 0, n
+    assert "launches sparseunet" in proc.stdout
     assert "skipped" in r["steps"]["fp16"]["spconv_unet"]  # spconv has no CPU autocast path
     assert r["steps"]["fp16"]["sparseunet"]["median_s"] > 0
     layer = r["layer"]["fp32"]
@@ -104,3 +108,31 @@ def test_cuda_without_cuda_is_a_clear_error(tmp_path):
     proc = run(["--device", "cuda", *TINY], tmp_path)
     assert proc.returncode != 0
     assert "--device cuda: torch sees no CUDA device" in proc.stderr
+
+
+def test_launch_counts_tell_blocking_calls_and_torch_syncs_apart():
+    """What ``bench gpu`` reports per step, from a GPU profile's events (made up here)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from sparsepipe_hpc.bench.launches import summarize
+
+    def ev(name, device=DeviceType.CPU, us=0.0):
+        return SimpleNamespace(name=name, device_type=device, device_time_total=us)
+
+    events = ([ev("aten::mm"), ev("aten::add_"), ev("cudaLaunchKernel")] * 3
+              + [ev("gemm_kernel", DeviceType.CUDA, 30.0)] * 2
+              + [ev("scatter_kernel", DeviceType.CUDA, 5.0),
+                 ev("Memcpy DtoH", DeviceType.CUDA, 1.0)]
+              + [ev(n) for n in ("cudaFree", "cudaFree", "cudaMalloc", "cudaMemcpyAsync",
+                                 "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+                                 "cuLaunchKernel", "cudaEventSynchronize")])
+    n = summarize(events, ["called a synchronizing CUDA operation", "another warning",
+                           "called a synchronizing CUDA operation"], top=2)
+    assert (n["kernels"], n["aten_ops"], n["torch_host_syncs"]) == (4, 6, 2)
+    assert n["kernel_time_s"] == pytest.approx(66e-6)
+    assert [k["name"] for k in n["top_kernels"]] == ["gemm_kernel", "scatter_kernel"]
+    assert n["runtime_calls"]["cudaLaunchKernel"] == 3 and n["runtime_calls"]["cudaFree"] == 2
+    # blocking: the three Synchronize calls and the synchronous cudaMemcpy, not ...Async
+    assert n["syncs"] == 4

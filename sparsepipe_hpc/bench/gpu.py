@@ -16,6 +16,9 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                <= 1.10 in time and memory). ``--triton`` adds the plain U-Net written with
                spconv-triton's layers (``spconv_triton_unet``: a pure-Triton drop-in for spconv,
                GPUs only; Triton tunes each new shape in the warm-up round).
+               ``launches``: per network, the kernels, CUDA runtime calls, host
+               synchronizations and torch ops of one more step (:mod:`.launches`), what made
+               the project's step slow before (issue 10's profile).
   layer        one submanifold 3x3x3 layer, C -> C channels, forward + backward on the scene's
                voxels: project layer, spconv's ``SubMConv3d``, and ``torch.mm`` of the same GEMM
                shapes ([N, 27 C] x [27 C, C] and its two gradients); TFLOP/s of useful work
@@ -45,6 +48,7 @@ import numpy as np
 import torch
 
 from sparsepipe_hpc.bench.common import environment, write_json
+from sparsepipe_hpc.bench.launches import step_launches
 from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["main", "build_parser", "synthetic_rooms", "unet_steps", "time_step",
@@ -200,6 +204,10 @@ def _steps(x: SparseTensor, args: Any, device: torch.device,
     if args.triton and "spconv_triton_unet" not in steps:
         out["spconv_triton_unet"] = {"skipped": triton_skip(device)}
     out.update(time_alternating(steps, device, args.repeats))
+    try:  # a diagnostic: a profiler that fails must not cost the timings above
+        out["launches"] = {name: step_launches(fn, device) for name, fn in steps.items()}
+    except Exception as e:
+        out["launches"] = {"error": f"{type(e).__name__}: {e}"}
     base = out["spconv_unet"]
     for name in ("sparseunet", "distributed_1x1x1", "spconv_triton_unet"):
         if name not in steps:
@@ -440,6 +448,12 @@ def main(argv: list[str]) -> None:
                 continue
             mem = f", peak {t['peak_bytes'] / 2**30:.2f} GiB" if t["peak_bytes"] else ""
             print(f"{name} step {net:18s} {t['median_s']:8.3f} s{mem}")
+        for net, n in steps["launches"].items():
+            print(f"{name} launches {net:18s} " + (str(n) if net == "error" else
+                  f"{n['kernels']} kernels, {n['syncs']} host syncs ({n['torch_host_syncs']} in "
+                  f"torch ops), {n['runtime_calls'].get('cudaFree', 0)} cudaFree, "
+                  f"{n['runtime_calls'].get('cudaMalloc', 0)} cudaMalloc, {n['aten_ops']} torch "
+                  "ops"))
         if "time_ratio_distributed_1x1x1_over_spconv" in steps:
             print(f"{name} distributed / spconv: time "
                   f"{steps['time_ratio_distributed_1x1x1_over_spconv']:.2f}")

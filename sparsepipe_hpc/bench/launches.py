@@ -1,0 +1,83 @@
+"""What one step asks of the device and the host: kernels, CUDA runtime calls, synchronizations.
+
+    counts = step_launches(step, torch.device("cuda"))   # one profiled call of step()
+    counts["kernels"], counts["runtime_calls"]["cudaFree"], counts["torch_host_syncs"]
+
+Issue 10 found the project's U-Net step 3x slower than the plain spconv one on an H100 and traced
+it, with torch's profiler, to what the step asks besides arithmetic: ~9,900 kernel launches, 577
+``cudaFree`` calls and 752 stream synchronizations per step. ``bench gpu`` counts the same things
+for every network it times, so one device call shows both the ratio and where it comes from:
+
+  kernels           device kernels (and memcpy/memset) the step ran, and their summed GPU time
+  runtime_calls     CUDA runtime and driver calls the host made, by name (``cudaLaunchKernel``,
+                    ``cudaFree``, ``cudaStreamSynchronize``, ``cudaMemcpyAsync``, ...)
+  syncs             the calls among those that block the host (``*Synchronize``, ``cudaMemcpy``)
+  torch_host_syncs  torch ops that synchronized (``torch.cuda.set_sync_debug_mode``: ``.item()``,
+                    ``.cpu()``, ``nonzero``, ...); spconv's C++ syncs are only in ``syncs``
+  aten_ops          torch ops dispatched, nested ones included (on a CPU the only count there is)
+
+One call after a warm-up call (spconv tunes its kernels on first use); a profiled step runs slower
+than a timed one, so these are counts, not times.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["step_launches", "summarize"]
+
+_BLOCKING = ("Synchronize", "cudaMemcpy", "cuMemcpy")  # cudaMemcpy (not Async) waits too
+
+
+def _blocks(name: str) -> bool:
+    return any(b in name for b in _BLOCKING) and "Async" not in name
+
+
+def step_launches(fn: Callable[[], Any], device: torch.device, top: int = 8) -> dict[str, Any]:
+    """Counts of one ``fn()`` on ``device`` (after one warm-up call), as the module says; ``top``:
+    how many kernels to list by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with warnings.catch_warnings(record=True) as caught, profile(activities=activities) as prof:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+                torch.cuda.synchronize(device)  # every kernel inside the profile
+    return summarize(prof.events(), [str(w.message) for w in caught], top)
+
+
+def summarize(events: Any, warned: list[str], top: int = 8) -> dict[str, Any]:
+    """The counts of :func:`step_launches` from profiler ``events`` (each with ``name``,
+    ``device_type`` and ``device_time_total`` in us) and the warnings raised meanwhile."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    runtime = Counter(e.name for e in host if e.name.startswith("cu"))
+    by_kernel: Counter[str] = Counter()
+    for e in kernels:
+        by_kernel[e.name] += e.device_time_total
+    return {
+        "kernels": len(kernels),
+        "kernel_time_s": sum(by_kernel.values()) / 1e6,
+        "top_kernels": [{"name": name[:120], "time_s": us / 1e6}
+                        for name, us in by_kernel.most_common(top)],
+        "runtime_calls": dict(runtime.most_common()),
+        "syncs": sum(n for name, n in runtime.items() if _blocks(name)),
+        "torch_host_syncs": sum("synchroniz" in w for w in warned),
+        "aten_ops": sum(1 for e in host if e.name.startswith("aten::")),
+    }
