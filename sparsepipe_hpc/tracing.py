@@ -52,16 +52,18 @@ class Recorder:
     def start(cls, comm: Any = None, device: Any = None) -> "Recorder":
         """A recorder whose zero is the end of a barrier over ``comm`` (collective), so every
         rank's times share an origin; ``comm=None``: now. On a CUDA ``device`` (a torch.device)
-        each clock reading first waits for the GPU work queued so far, so a span holds the
-        kernels it launched rather than only their launch; tracing then stops the host from
-        running ahead of the GPU, and a traced step is slower."""
+        each clock reading first waits for the work queued so far on the current (compute)
+        stream, so a span holds the kernels it launched rather than only their launch; tracing
+        then stops the host from running ahead of the GPU, and a traced step is slower. The
+        communication streams are not waited for: their transfers stay overlapped."""
         clock: Callable[[], float] = time.perf_counter
         if device is not None and device.type == "cuda":
             import torch
 
             def clock() -> float:
-                torch.cuda.synchronize(device)
+                torch.cuda.current_stream(device).synchronize()
                 return time.perf_counter()
+            clock()  # drained before the barrier, so every rank's zero is the barrier's end
         if comm is not None:
             comm.Barrier()
         return cls(clock)

@@ -35,21 +35,36 @@ def test_spans_nest_and_record_only_while_active():
     assert rec.spans[1].args == {"micro_batch": 0}
 
 
+def test_a_cuda_recorder_waits_for_the_compute_stream_at_every_clock_reading(monkeypatch):
+    """On CUDA a span must end after the kernels it launched ran, not when they were queued; the
+    queue is drained before the barrier, so a rank's backlog does not shift its zero."""
+    import time
 
-def test_a_cuda_recorder_waits_for_the_gpu_at_every_clock_reading(monkeypatch):
-    """On CUDA a span must end after the kernels it launched ran, not when they were queued."""
     import torch
 
-    synced = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
-    cuda = torch.device("cuda", 1)
-    rec = Recorder.start(device=cuda)
-    assert synced == [cuda]                     # the zero
+    now = [0.0]
+    waited = []
+
+    class Stream:
+        def synchronize(self):  # the queued kernels take 5 s, then the stream is idle
+            now[0] += 5.0 if not waited else 0.0
+            waited.append(now[0])
+
+    class Comm:
+        def Barrier(self):
+            assert waited, "the stream must be drained before the barrier"
+            now[0] += 1.0
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    rec = Recorder.start(Comm(), device=torch.device("cuda", 1))
+    assert rec.zero == 6.0                       # the barrier's end, after the 5 s drained
     with recording(rec), span("F0", "forward"):
-        pass
-    assert synced == [cuda] * 3 and len(rec.spans) == 1
+        now[0] += 2.0
+    assert len(waited) == 4 and rec.spans[0].end == 2.0
     Recorder.start(device=torch.device("cpu")).clock()
-    assert len(synced) == 3                     # a CPU recorder never asks CUDA
+    assert len(waited) == 4                     # a CPU recorder never asks CUDA
+
 
 def test_chrome_trace_has_a_row_per_rank_and_outer_spans_first():
     rows = [[Span("halo wait", "halo", 2.0, 3.0), Span("F0", "forward", 2.0, 4.0)],
