@@ -180,14 +180,29 @@ def test_gpu_benchmark_runs_on_cuda(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["steps"]["fp16"]["spconv_unet"]["peak_bytes"] > 0
+    for precision in ("fp32", "fp16"):  # the profiled step of every network saw the GPU's work
+        for net, n in r["steps"][precision]["launches"].items():
+            assert "error" not in n, (precision, net, n)
+            assert n["kernels"] > 0 and n["kernel_time_s"] > 0, (precision, net, n)
+            assert sum(n["runtime_calls"].values()) > 0, (precision, net, n)
+
+
+def test_every_gpu_has_a_uuid():
+    """Ranks that share a GPU are told by its UUID (launch.device.ranks_per_gpu)."""
+    from launch.device import gpu_uuid
+
+    uuids = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+    assert all(isinstance(u, str) and u for u in uuids) and len(set(uuids)) == len(uuids)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_trainer_on_gpu_resumes_to_the_uninterrupted_run(tmp_path, precision):
     """``train --device cuda`` in one process, end to end: 4 steps straight, and 2 steps then a
-    resume to 4 from the checkpoint (CUDA RNG state; fp16: the loss scale) end at the same loss
-    (a constant learning rate: a cosine's shape depends on --steps). spconv's CUDA backward adds
-    with atomics, so the two agree to rounding, not bitwise. (The same on the CPU is bitwise.)"""
+    resume to 4 from the checkpoint end at the same losses, weights and (fp16) loss scale, and
+    the resumed run restores the CUDA generator's state (the model draws nothing from it, so this
+    checks that the state is saved and set on a real device). A constant learning rate: a
+    cosine's shape depends on --steps. spconv's CUDA backward adds with atomics, so the runs
+    agree to rounding, not bitwise (the same test on the CPU is bitwise)."""
     from mpi4py import MPI
 
     from sparsepipe_hpc.data.synth import generate_scenes
@@ -199,21 +214,30 @@ def test_trainer_on_gpu_resumes_to_the_uninterrupted_run(tmp_path, precision):
     data = generate_scenes(tmp_path / "data", train=8, val=2, seed=0, objects=(2, 4),
                            points=(1500, 2500))
 
-    def run(out, steps, *extra):
-        cfg = parse_config(["--data", str(data), "--out", str(tmp_path / out), "--width", "4",
-                            "--depth", "2", "--voxel-size", "0.2", "--batch-size", "2",
-                            "--no-progress", "--device", "cuda", "--precision", precision,
-                            "--steps", str(steps), "--lr", "0.01", "--schedule", "constant",
-                            *extra])
-        t = Trainer(cfg, MPI.COMM_SELF, log=None)
-        t.run()
-        assert all(p.is_cuda and p.dtype == torch.float32 for p in t.model.parameters())
-        return [r["loss"] for r in read_metrics(tmp_path / out / "metrics.jsonl", "train")]
+    def trainer(out, steps, *extra):
+        return Trainer(parse_config([
+            "--data", str(data), "--out", str(tmp_path / out), "--width", "4", "--depth", "2",
+            "--voxel-size", "0.2", "--batch-size", "2", "--no-progress", "--device", "cuda",
+            "--precision", precision, "--steps", str(steps), "--lr", "0.01", "--schedule",
+            "constant", *extra]), MPI.COMM_SELF, log=None)
 
-    straight = run("a", 4)
-    run("b", 2)
+    def losses(out):
+        return torch.tensor([r["loss"] for r in read_metrics(tmp_path / out / "metrics.jsonl",
+                                                             "train")])
+
+    trainer("a", 4).run()
+    t = trainer("b", 2)
+    t.run()
+    assert all(p.is_cuda and p.dtype == torch.float32 for p in t.model.parameters())
     saved = load_checkpoint(tmp_path / "b" / "last.pt")
-    assert "cuda" in saved["rng"][0] and ("scaler" in saved) == (precision == "fp16")
-    resumed = run("b", 4, "--resume", "auto")
-    assert len(straight) == len(resumed) == 4
-    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight), rtol=1e-3, atol=1e-4)
+    resumed = trainer("b", 4, "--resume", "auto")
+    assert torch.equal(torch.cuda.get_rng_state(t.device), saved["rng"][0]["cuda"])
+    resumed.run()
+    assert len(losses("a")) == len(losses("b")) == 4
+    torch.testing.assert_close(losses("b"), losses("a"), rtol=1e-3, atol=1e-4)
+    a, b = load_checkpoint(tmp_path / "a" / "last.pt"), load_checkpoint(tmp_path / "b" / "last.pt")
+    assert a["step"] == b["step"] == 4 and ("scaler" in a) == (precision == "fp16")
+    if precision == "fp16":
+        assert a["scaler"]["scale"] == b["scaler"]["scale"]
+    for k in a["model"]:
+        torch.testing.assert_close(b["model"][k], a["model"][k], rtol=1e-3, atol=1e-3, msg=k)

@@ -204,10 +204,12 @@ def _steps(x: SparseTensor, args: Any, device: torch.device,
     if args.triton and "spconv_triton_unet" not in steps:
         out["spconv_triton_unet"] = {"skipped": triton_skip(device)}
     out.update(time_alternating(steps, device, args.repeats))
-    try:  # a diagnostic: a profiler that fails must not cost the timings above
-        out["launches"] = {name: step_launches(fn, device) for name, fn in steps.items()}
-    except Exception as e:
-        out["launches"] = {"error": f"{type(e).__name__}: {e}"}
+    out["launches"] = {}
+    for name, fn in steps.items():
+        try:  # a diagnostic: a profiler that fails must not cost the timings above
+            out["launches"][name] = step_launches(fn, device)
+        except Exception as e:
+            out["launches"][name] = {"error": f"{type(e).__name__}: {e}"}
     base = out["spconv_unet"]
     for name in ("sparseunet", "distributed_1x1x1", "spconv_triton_unet"):
         if name not in steps:
@@ -426,7 +428,7 @@ def main(argv: list[str]) -> None:
         p.error(f"--precisions: unknown {bad}; choose from {sorted(PRECISIONS)}")
 
     x = synthetic_rooms(args.rooms, args.voxel_size, args.points)
-    x = x.replace(coords=x.coords.to(device), feats=x.feats.to(device))
+    x = x.to(device)
     print(f"{args.rooms} room(s) at {args.voxel_size} m: {x.num_voxels} voxels, grid "
           f"{x.spatial_shape}; U-Net width {args.width} depth {args.depth}; device {device}")
     result: dict[str, Any] = {
@@ -449,7 +451,7 @@ def main(argv: list[str]) -> None:
             mem = f", peak {t['peak_bytes'] / 2**30:.2f} GiB" if t["peak_bytes"] else ""
             print(f"{name} step {net:18s} {t['median_s']:8.3f} s{mem}")
         for net, n in steps["launches"].items():
-            print(f"{name} launches {net:18s} " + (str(n) if net == "error" else
+            print(f"{name} launches {net:18s} " + (n["error"] if "error" in n else
                   f"{n['kernels']} kernels, {n['syncs']} host syncs ({n['torch_host_syncs']} in "
                   f"torch ops), {n['runtime_calls'].get('cudaFree', 0)} cudaFree, "
                   f"{n['runtime_calls'].get('cudaMalloc', 0)} cudaMalloc, {n['aten_ops']} torch "

@@ -11,7 +11,8 @@ for every network it times, so one device call shows both the ratio and where it
   kernels           device kernels (and memcpy/memset) the step ran, and their summed GPU time
   runtime_calls     CUDA runtime and driver calls the host made, by name (``cudaLaunchKernel``,
                     ``cudaFree``, ``cudaStreamSynchronize``, ``cudaMemcpyAsync``, ...)
-  syncs             the calls among those that block the host (``*Synchronize``, ``cudaMemcpy``)
+  syncs             the calls among those that block the host (``*Synchronize``, ``cudaMemcpy``;
+                    ``cudaFree`` waits for the device too, and is counted on its own)
   torch_host_syncs  torch ops that synchronized (``torch.cuda.set_sync_debug_mode``: ``.item()``,
                     ``.cpu()``, ``nonzero``, ...); spconv's C++ syncs are only in ``syncs``
   aten_ops          torch ops dispatched, nested ones included (on a CPU the only count there is)
@@ -47,6 +48,7 @@ def step_launches(fn: Callable[[], Any], device: torch.device, top: int = 8) -> 
     if cuda:
         torch.cuda.synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    mode = torch.cuda.get_sync_debug_mode() if cuda else 0
     with warnings.catch_warnings(record=True) as caught, profile(activities=activities) as prof:
         warnings.simplefilter("always")
         if cuda:
@@ -55,7 +57,7 @@ def step_launches(fn: Callable[[], Any], device: torch.device, top: int = 8) -> 
             fn()
         finally:
             if cuda:
-                torch.cuda.set_sync_debug_mode(0)
+                torch.cuda.set_sync_debug_mode(mode)
                 torch.cuda.synchronize(device)  # every kernel inside the profile
     return summarize(prof.events(), [str(w.message) for w in caught], top)
 
@@ -65,7 +67,8 @@ def summarize(events: Any, warned: list[str], top: int = 8) -> dict[str, Any]:
     ``device_type`` and ``device_time_total`` in us) and the warnings raised meanwhile."""
     from torch.autograd import DeviceType
 
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]  # GPU-side ranges are not work
     host = [e for e in events if e.device_type == DeviceType.CPU]
     runtime = Counter(e.name for e in host if e.name.startswith("cu"))
     by_kernel: Counter[str] = Counter()
