@@ -20,6 +20,8 @@ ways schedulers hand out GPUs:
 
 Nothing here imports torch or CuPy at module import; counting devices imports torch lazily and never
 creates a CUDA context (``torch.cuda.device_count`` asks NVML), so it is safe before ``fork``.
+:func:`gpu_uuid` and :func:`ranks_per_gpu` (collective: which ranks share a GPU) initialize CUDA:
+call them once the rank computes on its GPU.
 """
 
 from __future__ import annotations

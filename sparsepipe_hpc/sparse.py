@@ -80,6 +80,8 @@ class SparseTensor:
         Its kernel maps stay behind: the layers build new ones from the moved coordinates, on
         ``device``."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current one
+            device = torch.device("cuda", torch.cuda.current_device())
         if self.coords.device == device and self.feats.device == device:
             return self
         return replace(self, coords=self.coords.to(device, non_blocking=non_blocking),

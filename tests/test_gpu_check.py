@@ -13,6 +13,7 @@ SCRIPT = (ROOT / ".ci" / "gpu-check").read_text()
 DEVICE_CALL_S = 600  # the device tool's limit per command
 INSTALL_S = 30       # unpacking .whl into .site before the first section
 PREFLIGHT_S = int(re.search(r'timeout (\d+) "\$PY" -', SCRIPT).group(1))  # the version check
+MARGIN_S = 20        # start-up of the device tool's command, python imports, log copying
 
 
 def sections() -> dict[str, str]:
@@ -30,7 +31,7 @@ def test_the_sections_are_there():
 def test_each_section_fits_one_device_call(name):
     limits = [int(s) for s in re.findall(r"^\s+step [\w-]+ (\d+) ", sections()[name], re.M)]
     assert limits, name
-    assert sum(limits) <= DEVICE_CALL_S - INSTALL_S - PREFLIGHT_S, (name, limits)
+    assert sum(limits) <= DEVICE_CALL_S - INSTALL_S - PREFLIGHT_S - MARGIN_S, (name, limits)
 
 
 def test_what_the_sections_run_exists():

@@ -75,7 +75,6 @@ def test_physical_gpu_follows_cuda_visible_devices(monkeypatch):
     assert physical_gpu(2) == "2"
 
 
-
 class _Comm:
     """An allgather that answers ``everyone`` (what all ranks sent) and keeps this rank's value."""
 
@@ -87,12 +86,13 @@ class _Comm:
         return self.everyone or [value]
 
 
-def _gpu_names(monkeypatch, ranks):
+def _gpu_names(monkeypatch, ranks, hosts=None):
     """What each rank of ``ranks`` [(its GPU's UUID or None, its CUDA_VISIBLE_DEVICES, its
-    device index)] sends to ranks_per_gpu's allgather."""
+    device index)], on ``hosts`` (default one), sends to ranks_per_gpu's allgather."""
     sent = []
-    for uuid, visible, index in ranks:
+    for (uuid, visible, index), host in zip(ranks, hosts or ["n0"] * len(ranks)):
         monkeypatch.setattr(launch.device, "gpu_uuid", lambda i, u=uuid: u)
+        monkeypatch.setattr(launch.device.socket, "gethostname", lambda h=host: h)
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         comm = _Comm()
         ranks_per_gpu(comm, index)
@@ -112,6 +112,9 @@ def test_ranks_per_gpu_tells_own_gpus_from_a_shared_one(monkeypatch):
     named = _gpu_names(monkeypatch, [(None, "4,5", 0), (None, "4,5", 1), (None, "5", 0)])
     assert named[1] == named[2] != named[0]
     assert ranks_per_gpu(_Comm(named), 0) == 2
+    # ... and GPU "0" of two nodes are two GPUs.
+    nodes = _gpu_names(monkeypatch, [(None, "0", 0)] * 2, hosts=["n0", "n1"])
+    assert ranks_per_gpu(_Comm(nodes), 0) == 1
 
 
 def test_ranks_per_gpu_without_a_gpu_counts_ranks_per_node(monkeypatch):
@@ -125,6 +128,7 @@ def test_gpu_uuid_is_none_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the UUID is real")
     assert gpu_uuid(0) is None
+
 
 def test_count_asks_torch_when_a_driver_is_present(monkeypatch):
     class FakeCuda:

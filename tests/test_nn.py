@@ -154,7 +154,6 @@ def test_sparse_tensor_contract_errors():
         SparseTensor(c, f, (4, 4, 3), 1).validate_bounds()
 
 
-
 def test_sparse_tensor_to_another_device_leaves_its_kernel_maps_behind(gen):
     x = random_cloud(gen, 100, dtype=torch.float32)
     x.kmaps["k"] = object()  # built for coordinates on the old device
@@ -163,6 +162,7 @@ def test_sparse_tensor_to_another_device_leaves_its_kernel_maps_behind(gen):
     assert (meta.coords.device.type, meta.feats.device.type, meta.kmaps) == ("meta", "meta", {})
     assert (meta.feats.shape, meta.spatial_shape, meta.batch_size) == (
         x.feats.shape, x.spatial_shape, x.batch_size)
+
 
 def test_batchnorm_of_fewer_than_two_voxels_is_an_error_naming_the_count():
     from sparsepipe_hpc.nn.functional import batch_norm

@@ -53,7 +53,7 @@ def choose_transport(name: str, device: Optional[str], nccl: bool = False,
                              "and this machine has none; install cupy-cuda12x/13x or pass "
                              "--transport staged")
     if name == "nccl" and shared_gpu:
-        raise TransportError("--transport nccl: ranks of this node share a GPU and NCCL refuses "
+        raise TransportError("--transport nccl: several ranks share a GPU and NCCL refuses "
                              "two ranks on one GPU ('Duplicate GPU detected'); pass --transport "
                              "ipc or staged, or one rank per GPU")
     return name

@@ -81,9 +81,9 @@ class Batch:
 
     def to(self, device: torch.device | str) -> "Batch":
         """The same batch with every tensor on ``device``."""
-        return Batch(self.x.to(device), self.labels.to(device), [t.to(device) for t in self.point_to_voxel],
-                     self.offsets.to(device), [t.to(device) for t in self.point_labels],
-                     list(self.names))
+        return Batch(self.x.to(device), self.labels.to(device),
+                     [t.to(device) for t in self.point_to_voxel], self.offsets.to(device),
+                     [t.to(device) for t in self.point_labels], list(self.names))
 
 
 def _grid(lo: np.ndarray, hi: np.ndarray, voxel_size: float, multiple: int

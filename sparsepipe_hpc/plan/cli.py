@@ -121,8 +121,7 @@ def _profile(args: argparse.Namespace) -> Any:
     v = args.sample_voxels
     batches = [synthetic_batch(n, args.in_channels, multiple=model.total_stride, seed=k)
                for k, n in enumerate((v // 2, v, 3 * v // 2))]
-    batches = [b.replace(coords=b.coords.to(args.device), feats=b.feats.to(args.device))
-               for b in batches]
+    batches = [b.to(args.device) for b in batches]
     prof = profile_model(model, batches, repeats=args.repeats, name=args.model)
     if args.profile_out:
         Path(args.profile_out).write_text(prof.to_json())

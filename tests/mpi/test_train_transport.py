@@ -72,7 +72,6 @@ def test_cuda_checks_that_need_no_gpu_are_config_errors_on_every_rank(comm, shar
             trainer_transport(parse_config(argv(shared)), cuda, comm)
 
 
-
 def test_nccl_is_refused_only_where_ranks_share_a_gpu(comm, shared, monkeypatch):
     """NCCL refuses two ranks on one GPU. Ranks name their GPU by its UUID, so ranks that each
     see only their own GPU, as device 0 (srun --gpus-per-task=1), may use NCCL."""
@@ -87,8 +86,9 @@ def test_nccl_is_refused_only_where_ranks_share_a_gpu(comm, shared, monkeypatch)
     if comm.size > 1:
         monkeypatch.setattr(launch.device, "gpu_uuid",
                             lambda index: f"GPU-{comm.rank % (comm.size - 1)}")
-        with pytest.raises(ConfigError, match="--transport nccl: ranks of this node share a GPU"):
+        with pytest.raises(ConfigError, match="--transport nccl: several ranks share a GPU"):
             transport.trainer_transport(cfg, cuda, comm)
+
 
 def test_the_trainer_hands_its_transport_and_reducer_to_the_parallel_context(comm, shared,
                                                                              monkeypatch):
