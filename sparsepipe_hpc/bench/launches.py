@@ -17,7 +17,7 @@ for every network it times, so one device call shows both the ratio and where it
                     ``.cpu()``, ``nonzero``, ...); spconv's C++ syncs are only in ``syncs``
   aten_ops          torch ops dispatched, nested ones included (on a CPU the only count there is)
 
-One call after a warm-up call (spconv tunes its kernels on first use); a profiled step runs slower
+One call of a warmed-up step (spconv tunes its kernels on first use); a profiled step runs slower
 than a timed one, so these are counts, not times.
 """
 
@@ -39,12 +39,11 @@ def _blocks(name: str) -> bool:
 
 
 def step_launches(fn: Callable[[], Any], device: torch.device, top: int = 8) -> dict[str, Any]:
-    """Counts of one ``fn()`` on ``device`` (after one warm-up call), as the module says; ``top``:
-    how many kernels to list by GPU time."""
+    """Counts of one ``fn()`` on ``device``, as the module says; call it warmed up (``bench gpu``
+    does, after its timed rounds). ``top``: how many kernels to list by GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    fn()
     if cuda:
         torch.cuda.synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
