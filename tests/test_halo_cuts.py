@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -115,6 +117,20 @@ def test_histograms_and_range_errors():
         axis_histograms(np.array([[0, 0, 0], [5, 3, 9]]), (10, 3, 10))
     with pytest.raises(CutError, match="expected \\[N, 3\\]"):
         axis_histograms(np.zeros((2, 4)), (10, 3, 10))
+
+
+@pytest.mark.parametrize("bad", [[5, 3, 9], [-1, 0, 0], [0, 0, 10]])
+def test_histograms_of_a_tensor_are_counted_where_it_lives_and_equal_numpys(bad):
+    rng = np.random.default_rng(0)
+    xyz = rng.integers(0, (37, 3, 20), size=(400, 3))
+    for align, axes in [(1, (0, 1, 2)), (4, (0, 1, 2)), (4, (0, 2)), (3, ())]:
+        ours = axis_histograms(torch.from_numpy(xyz).int(), (37, 3, 20), align, axes)
+        ref = axis_histograms(xyz, (37, 3, 20), align)
+        for a in range(3):  # an axis left out comes back as zeros of its length
+            assert ours[a].tolist() == (ref[a] if a in axes else 0 * ref[a]).tolist(), (align, a)
+    # Outside the extent: the same error as the host path's, naming the first such row.
+    with pytest.raises(CutError, match=re.escape(f"row 1 is {bad}, outside the extent")):
+        axis_histograms(torch.tensor([[0, 0, 0], bad, [1, 1, 1]]), (10, 3, 10))
 
 
 def _imbalance(cuts, xyz):

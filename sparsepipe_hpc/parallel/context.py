@@ -121,6 +121,8 @@ class ParallelContext:
         domain = self.group.decompose(x, align=align, balanced=self.cuts_mode == "balanced",
                                       cuts=cuts)
         bound = self.bind(domain)
+        if domain.grid.size == 1:  # one box holds the whole (bounds-checked) batch: no copy
+            return (x.replace(context=bound, kmaps={}), *payloads)
         keep = domain.owned_rows(x.coords)
         local = x.replace(coords=x.coords[keep].contiguous(), feats=x.feats[keep].contiguous(),
                           context=bound, kmaps={})

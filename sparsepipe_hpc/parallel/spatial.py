@@ -193,15 +193,17 @@ class SpatialDomain:
         misalign = 0 if s.subm else self.cuts.misalignment(s.stride, x.stride)
         radius = halo_radius(*geometry, misalign=misalign)
         out_shape = s.out_shape(x.spatial_shape)
+        alone = self.grid.size == 1  # one box, every voxel in it: no halo, no ownership test
         plan = build_plan(self.grid, self.cuts, x.coords, radius, stride=x.stride,
-                          transport=self.group.transport) if radius > 0 else None
+                          transport=self.group.transport) if radius > 0 and not alone else None
         if s.subm:
             out = x.coords
         elif plan is not None:
             out = plan.owned_outputs(x.coords, *geometry, out_shape)
         else:  # every input an output of this box reads is in the box (stride-aligned cuts)
             out = output_coords(x.coords, *geometry, out_shape)
-            out = out[self.owned_rows(out, stride=x.stride * s.stride)]
+            if not alone:
+                out = out[self.owned_rows(out, stride=x.stride * s.stride)]
         # A submanifold layer's local part usually runs on the engine's own map (DistMaps.subm):
         # its explicit local pairs are then built only if an engine without one asks.
         native = s.subm and self.group.native_local
