@@ -286,6 +286,20 @@ def test_spconv_gets_bfloat16_as_float32_on_every_device():
         assert native_dtype(torch.float32, torch.device(dev)) == torch.float32
 
 
+def test_spconv_gathers_in_fp16_only_on_channels_its_cuda_kernels_take():
+    """On CUDA, spconv's fp16 gather-GEMM-scatter takes channel counts that are multiples of 8
+    (4 raised 'misaligned contiguous dim' on an H100): such calls compute in float32 there. Its
+    implicit GEMM (no channels passed) and the CPU keep fp16."""
+    from sparsepipe_hpc.engine.spconv_engine import native_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for channels, work in [((8, 16), torch.float16), ((4, 8), torch.float32),
+                           ((32, 13), torch.float32), ((), torch.float16)]:
+        assert native_dtype(torch.float16, cuda, channels) == work, channels
+        assert native_dtype(torch.float16, cpu, channels) == torch.float16, channels
+    assert native_dtype(torch.float32, cuda, (4, 3)) == torch.float32
+
+
 def test_spconv_float64_on_cuda_is_a_clear_error():
     """spconv's CUDA build has no float64 GEMM kernels (its CPU path computes float64 in torch):
     a clear error naming the remedy instead of one from inside spconv's tuner."""

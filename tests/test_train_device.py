@@ -160,7 +160,7 @@ def test_mixed_precision_training_follows_fp32(data, tmp_path, precision):
 def test_fp16_loss_scale_round_trips_through_the_checkpoint(data, tmp_path):
     t = Trainer(tiny(data, tmp_path / "a", "--steps", "2", "--precision", "fp16"), MPI.COMM_SELF,
                 log=None)
-    t.precision.scaler = torch.amp.GradScaler("cpu", init_scale=1234.0)  # as if lowered
+    t.precision.scaler = torch.amp.GradScaler(t.device.type, init_scale=1234.0)  # as if lowered
     t.run()
     saved = ck.load_checkpoint(tmp_path / "a" / "last.pt")["scaler"]
     resumed = Trainer(tiny(data, tmp_path / "a", "--steps", "3", "--precision", "fp16",

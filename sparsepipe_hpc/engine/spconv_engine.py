@@ -60,11 +60,18 @@ class SpconvDtypeError(TypeError):
     """A dtype spconv has no kernels for on the tensors' device."""
 
 
-def native_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def native_dtype(dtype: torch.dtype, device: torch.device,
+                 gather_channels: Sequence[int] = ()) -> torch.dtype:
     """The dtype spconv computes a ``dtype`` call in on ``device``: bfloat16 in float32, on
     every device. spconv 2.3.8 has no bfloat16 at all: its torch -> tensorview dtype table
     (``spconv/pytorch/cppcore.py``) lacks it, so a CUDA bfloat16 tensor raises KeyError there
     (spconv issue 673). fp16 is the mixed precision that runs spconv's own fast kernels.
+
+    ``gather_channels``: (C_in, C_out) of a gather-GEMM-scatter call (``ConvAlgo.Native``; not
+    the implicit GEMM). On CUDA its fp16 GEMMs take channel counts that are multiples of 8: on an
+    H100, a strided layer of 4 channels raised "this m, n, k isn't supported due to misaligned
+    contiguous dim" in its weight gradient (spconv's tuner checks the strides it is given, its
+    kernel the problem's shape), while 8 and more ran. Such a call computes in float32.
 
     Raises SpconvDtypeError for float64 on CUDA: spconv's CUDA build has GEMM kernels for
     float32 and float16 only (its CPU path computes float64 through torch)."""
@@ -72,6 +79,8 @@ def native_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
         raise SpconvDtypeError("the spconv engine has no float64 kernels on CUDA (spconv's CUDA "
                                "build has float32 and float16 only); build the model with "
                                "engine='torch' for float64 on a GPU, or compute in float32")
+    if dtype == torch.float16 and device.type == "cuda" and any(c % 8 for c in gather_channels):
+        return torch.float32
     return torch.float32 if dtype == torch.bfloat16 else dtype
 
 
@@ -119,7 +128,7 @@ class SpconvEngine(Engine):
             return y if out is None else out.add_(y)
         if kmap.num_pairs == 0:
             return feats.new_zeros(kmap.n_out, weight.shape[0]) if out is None else out
-        work = native_dtype(feats.dtype, feats.device)
+        work = native_dtype(feats.dtype, feats.device, (weight.shape[2], weight.shape[0]))
         if work != feats.dtype:
             y = self.forward(feats.to(work), weight.to(work), kmap, progress).to(feats.dtype)
             return y if out is None else out.add_(y)
@@ -150,7 +159,7 @@ class SpconvEngine(Engine):
             if grad_in is None and need_input_grad:
                 grad_in = feats.new_zeros(kmap.n_in, weight.shape[2])
             return grad_in, torch.zeros_like(weight)
-        work = native_dtype(feats.dtype, feats.device)
+        work = native_dtype(feats.dtype, feats.device, (weight.shape[2], weight.shape[0]))
         if work != feats.dtype:
             gi, gw = self.backward(feats.to(work), weight.to(work), grad_out.to(work), kmap,
                                    progress, need_input_grad)

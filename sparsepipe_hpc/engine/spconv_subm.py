@@ -137,12 +137,17 @@ def _native_pieces(m: SubmMap, progress: Progress
     return [(pairs, first, True), (full, rest, False)]
 
 
+def _gather_channels(m: SubmMap, weight: torch.Tensor) -> tuple[int, ...]:
+    """(C_in, C_out) when ``m`` runs spconv's gather-GEMM-scatter (see :func:`native_dtype`)."""
+    return () if m.implicit_gemm else (weight.shape[2], weight.shape[0])
+
+
 def subm_forward(feats: torch.Tensor, weight: torch.Tensor, m: SubmMap,
                  progress: Progress = None) -> torch.Tensor:
     """feats [N, C_in], weight [C_out, K, C_in] -> [N, C_out]."""
     if m.n == 0:
         return feats.new_zeros(0, weight.shape[0])
-    work = native_dtype(feats.dtype, feats.device)
+    work = native_dtype(feats.dtype, feats.device, _gather_channels(m, weight))
     if work != feats.dtype:
         return subm_forward(feats.to(work), weight.to(work), m, progress).to(feats.dtype)
     from spconv.pytorch import ops
@@ -176,7 +181,7 @@ def subm_backward(feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Ten
     if m.n == 0:
         return (feats.new_zeros(0, weight.shape[2]) if need_input_grad else None,
                 torch.zeros_like(weight))
-    work = native_dtype(feats.dtype, feats.device)
+    work = native_dtype(feats.dtype, feats.device, _gather_channels(m, weight))
     if work != feats.dtype:
         gi, gw = subm_backward(feats.to(work), weight.to(work), grad_out.to(work), m, progress,
                                need_input_grad)
