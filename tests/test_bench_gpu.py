@@ -118,21 +118,30 @@ def test_launch_counts_tell_blocking_calls_and_torch_syncs_apart():
 
     from sparsepipe_hpc.bench.launches import summarize
 
-    def ev(name, device=DeviceType.CPU, us=0.0):
-        return SimpleNamespace(name=name, device_type=device, device_time_total=us)
+    def ev(name, device=DeviceType.CPU, us=0.0, parent=None):
+        return SimpleNamespace(name=name, device_type=device, device_time_total=us,
+                               cpu_parent=parent)
 
+    empty, nonzero = ev("aten::empty"), ev("aten::nonzero")
     events = ([ev("aten::mm"), ev("aten::add_"), ev("cudaLaunchKernel")] * 3
               + [ev("gemm_kernel", DeviceType.CUDA, 30.0)] * 2
               + [ev("scatter_kernel", DeviceType.CUDA, 5.0),
                  ev("Memcpy DtoH", DeviceType.CUDA, 1.0)]
-              + [ev(n) for n in ("cudaFree", "cudaFree", "cudaMalloc", "cudaMemcpyAsync",
-                                 "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
-                                 "cuLaunchKernel", "cudaEventSynchronize")])
-    n = summarize(events, ["called a synchronizing CUDA operation", "another warning",
-                           "called a synchronizing CUDA operation"], top=2)
+              + [ev(n) for n in ("cudaMalloc", "cudaMemcpyAsync", "cudaDeviceSynchronize",
+                                 "cudaMemcpy", "cuLaunchKernel", "cudaEventSynchronize")]
+              + [ev("cudaFree", parent=empty)] * 2
+              # a runtime call inside another one is put down to the op around both
+              + [ev("cudaStreamSynchronize", parent=ev("cudaMemcpyAsync", parent=nonzero))])
+    n = summarize(events, [("called a synchronizing CUDA operation", "halo/kmap.py:217"),
+                           ("another warning", "x.py:1"),
+                           ("called a synchronizing CUDA operation", "halo/kmap.py:217")], top=3)
     assert (n["kernels"], n["aten_ops"], n["torch_host_syncs"]) == (4, 6, 2)
+    assert n["sync_sites"] == {"torch sync at halo/kmap.py:217": 2, "cudaFree in aten::empty": 2,
+                               "cudaStreamSynchronize in aten::nonzero": 1,
+                               "cudaMalloc in ?": 1, "cudaDeviceSynchronize in ?": 1,
+                               "cudaMemcpy in ?": 1, "cudaEventSynchronize in ?": 1}
     assert n["kernel_time_s"] == pytest.approx(66e-6)
-    assert [k["name"] for k in n["top_kernels"]] == ["gemm_kernel", "scatter_kernel"]
+    assert [k["name"] for k in n["top_kernels"]] == ["gemm_kernel", "scatter_kernel", "Memcpy DtoH"]
     assert n["runtime_calls"]["cudaLaunchKernel"] == 3 and n["runtime_calls"]["cudaFree"] == 2
     # blocking: the three Synchronize calls and the synchronous cudaMemcpy, not ...Async
     assert n["syncs"] == 4

@@ -456,6 +456,9 @@ def main(argv: list[str]) -> None:
                   f"torch ops), {n['runtime_calls'].get('cudaFree', 0)} cudaFree, "
                   f"{n['runtime_calls'].get('cudaMalloc', 0)} cudaMalloc, {n['aten_ops']} torch "
                   "ops"))
+            if n.get("sync_sites"):
+                print("    from: " + ", ".join(f"{k} x{v}" for k, v in
+                                               list(n["sync_sites"].items())[:6]))
         if "time_ratio_distributed_1x1x1_over_spconv" in steps:
             print(f"{name} distributed / spconv: time "
                   f"{steps['time_ratio_distributed_1x1x1_over_spconv']:.2f}")

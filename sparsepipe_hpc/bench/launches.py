@@ -16,6 +16,9 @@ for every network it times, so one device call shows both the ratio and where it
   torch_host_syncs  torch ops that synchronized (``torch.cuda.set_sync_debug_mode``: ``.item()``,
                     ``.cpu()``, ``nonzero``, ...); spconv's C++ syncs are only in ``syncs``
   aten_ops          torch ops dispatched, nested ones included (on a CPU the only count there is)
+  sync_sites        where they come from: each blocking call, ``cudaMalloc`` and ``cudaFree`` by
+                    the op it ran in (``cudaFree in aten::empty``), and each torch sync by the
+                    Python line that asked for it (``halo/kmap.py:217``); the most frequent ones
 
 One call of a warmed-up step (spconv tunes its kernels on first use); a profiled step runs slower
 than a timed one, so these are counts, not times.
@@ -58,12 +61,31 @@ def step_launches(fn: Callable[[], Any], device: torch.device, top: int = 8) -> 
             if cuda:
                 torch.cuda.set_sync_debug_mode(mode)
                 torch.cuda.synchronize(device)  # every kernel inside the profile
-    return summarize(prof.events(), [str(w.message) for w in caught], top)
+    warned = [(str(w.message), f"{_short(w.filename)}:{w.lineno}") for w in caught]
+    return summarize(prof.events(), warned, top)
 
 
-def summarize(events: Any, warned: list[str], top: int = 8) -> dict[str, Any]:
+def _short(path: str) -> str:
+    """A source path from the package or repository folder on (``halo/kmap.py``)."""
+    parts = path.replace("\\", "/").split("/")
+    for i, p in enumerate(parts):
+        if p in ("sparsepipe_hpc", "halo", "spconv", "torch", "cumm"):
+            return "/".join(parts[i:])
+    return "/".join(parts[-2:])
+
+
+def _caller(e: Any) -> str:
+    """The innermost op around a runtime call event (its ``cpu_parent`` chain), or '?'."""
+    p = getattr(e, "cpu_parent", None)
+    while p is not None and p.name.startswith("cu"):
+        p = getattr(p, "cpu_parent", None)
+    return "?" if p is None else p.name
+
+
+def summarize(events: Any, warned: list[tuple[str, str]], top: int = 8) -> dict[str, Any]:
     """The counts of :func:`step_launches` from profiler ``events`` (each with ``name``,
-    ``device_type`` and ``device_time_total`` in us) and the warnings raised meanwhile."""
+    ``device_type``, ``device_time_total`` in us and ``cpu_parent``) and the warnings raised
+    meanwhile, as (message, "file:line") pairs."""
     from torch.autograd import DeviceType
 
     kernels = [e for e in events if e.device_type == DeviceType.CUDA
@@ -73,6 +95,10 @@ def summarize(events: Any, warned: list[str], top: int = 8) -> dict[str, Any]:
     by_kernel: Counter[str] = Counter()
     for e in kernels:
         by_kernel[e.name] += e.device_time_total
+    synced = [site for msg, site in warned if "synchroniz" in msg]
+    sites = Counter(f"{e.name} in {_caller(e)}" for e in host if e.name.startswith("cu")
+                    and (_blocks(e.name) or e.name in ("cudaMalloc", "cudaFree")))
+    sites.update(f"torch sync at {site}" for site in synced)
     return {
         "kernels": len(kernels),
         "kernel_time_s": sum(by_kernel.values()) / 1e6,
@@ -80,6 +106,7 @@ def summarize(events: Any, warned: list[str], top: int = 8) -> dict[str, Any]:
                         for name, us in by_kernel.most_common(top)],
         "runtime_calls": dict(runtime.most_common()),
         "syncs": sum(n for name, n in runtime.items() if _blocks(name)),
-        "torch_host_syncs": sum("synchroniz" in w for w in warned),
+        "torch_host_syncs": len(synced),
         "aten_ops": sum(1 for e in host if e.name.startswith("aten::")),
+        "sync_sites": dict(sites.most_common(3 * top)),
     }
