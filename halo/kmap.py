@@ -23,8 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["KernelMap", "kernel_map", "kernel_offsets", "output_coords", "coord_keys", "decode_keys",
-           "lookup"]
+__all__ = ["KernelMap", "kernel_map", "kernel_offsets", "output_coords", "strided_map", "coord_keys",
+           "decode_keys", "lookup"]
 
 _BITS = 18  # bits per spatial axis: coordinates in [-2**17, 2**17); batch index below 2**9
 _HALF = 1 << (_BITS - 1)
@@ -258,6 +258,44 @@ def output_coords(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     allc = torch.cat(cands)
     keys = torch.unique(coord_keys(allc))
     return decode_keys(keys)
+
+
+def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
+                stride: int | Sequence[int], padding: int | Sequence[int],
+                dilation: int | Sequence[int], out_shape: Sequence[int]
+                ) -> tuple[torch.Tensor, KernelMap]:
+    """``(out, kernel_map(in_coords, out, ...))`` with ``out = output_coords(in_coords, ...)``,
+    equal to those two calls.
+
+    Where windows tile the grid (kernel = stride, a U-Net's k2s2) it takes one pass: the sort
+    that finds the active outputs also gives each input its output row, so there is no lookup,
+    and a GPU waits twice (the outputs' count, the per-offset counts) instead of six times.
+    """
+    if not _one_output_per_input(kernel_size, stride, dilation):
+        out = output_coords(in_coords, kernel_size, stride, padding, dilation, out_shape)
+        return out, kernel_map(in_coords, out, kernel_size, stride, padding, dilation)
+    s = _triple(stride)
+    dev = in_coords.device
+    c = in_coords.long()
+    o, k = _window(c, s, _triple(padding))
+    shape = _on(torch.tensor(list(out_shape), dtype=torch.int64), dev)
+    ok = ((o >= 0) & (o < shape)).all(1)
+    n_k = s[0] * s[1] * s[2]
+    # Inputs whose output lies outside the grid take the largest key, so they sort last, and
+    # offset n_k, a bin of their own.
+    keys = torch.where(ok, coord_keys(torch.cat([c[:, :1], o], 1)),
+                       torch.full_like(k, torch.iinfo(torch.int64).max))
+    k = torch.where(ok, k, torch.full_like(k, n_k))
+    counts = torch.bincount(k, minlength=n_k + 1).cpu()  # host sync 1
+    uniq, row = torch.unique(keys, return_inverse=True)  # host sync 2: the outputs' count
+    n_pairs = len(c) - int(counts[n_k])
+    m = len(uniq) - (1 if n_pairs < len(c) else 0)
+    # An output has at most one input per offset: (offset, output row) orders the pairs fully,
+    # and each input is one pair, so the ordering permutation is the pairs' input rows.
+    in_rows = torch.argsort(k * (m + 1) + row)[:n_pairs]
+    ptr = torch.zeros(n_k + 1, dtype=torch.int64)
+    ptr[1:] = torch.cumsum(counts[:n_k], 0)
+    return decode_keys(uniq[:m]), KernelMap(in_rows, row[in_rows], ptr, len(c), m)
 
 
 def key_batch(keys: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import spconv.pytorch as spconv
-from halo.kmap import coord_keys, decode_keys, kernel_map, output_coords
+from halo.kmap import coord_keys, decode_keys, kernel_map, output_coords, strided_map
 from helpers import random_cloud
 from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.engine.spconv_engine import patch_spconv
@@ -225,6 +225,28 @@ def test_tiling_windows_take_one_lookup_per_input_with_the_same_result(gen, monk
     fast_sub = kernel_map(x.coords, sub, k, s, p, 1)
     assert torch.equal(fast_sub.ptr, ref_sub.ptr) and torch.equal(fast_sub.in_rows, ref_sub.in_rows)
     assert torch.equal(fast_sub.out_rows, ref_sub.out_rows)
+
+
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (2, 2, 1), (3, 3, 2), ((2, 1, 3), (2, 1, 3), (1, 0, 0)),
+                                   (3, 2, 1), (2, 1, 0)])
+@pytest.mark.parametrize("n", [0, 1, 900])
+def test_strided_map_equals_output_coords_then_kernel_map(gen, k, s, p, n):
+    """One pass for tiling windows (the sort that finds the outputs numbers them), the two calls
+    otherwise: the same outputs and the same pairs in the same CSR order, also where inputs fall
+    in no full window, where none is left, and with no inputs."""
+    shape = (15, 16, 13)
+    x = random_cloud(gen, max(n, 1), shape=shape, batch=3)
+    coords = x.coords[torch.randperm(len(x.coords), generator=gen)][:n]
+    ks, ss, ps = (v if isinstance(v, tuple) else (v,) * 3 for v in (k, s, p))
+    out_shape = tuple((m + 2 * pa - ka) // sa + 1 for m, ka, sa, pa in zip(shape, ks, ss, ps))
+    for c in (coords, coords[(coords[:, 1:] >= 14).any(1)]):  # the second: edge voxels alone
+        out, km = strided_map(c, k, s, p, 1, out_shape)
+        ref_out = output_coords(c, k, s, p, 1, out_shape)
+        ref = kernel_map(c, ref_out, k, s, p, 1)
+        assert torch.equal(out, ref_out) and out.dtype == ref_out.dtype
+        assert torch.equal(km.ptr, ref.ptr) and torch.equal(km.in_rows, ref.in_rows)
+        assert torch.equal(km.out_rows, ref.out_rows) and km.in_rows.dtype == ref.in_rows.dtype
+        assert (km.n_in, km.n_out) == (ref.n_in, ref.n_out)
 
 
 def test_select_keeps_csr_by_offset(gen):

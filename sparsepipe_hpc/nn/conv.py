@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from halo.kmap import KernelMap, kernel_map, output_coords
+from halo.kmap import KernelMap, kernel_map, strided_map
 from sparsepipe_hpc.engine import Engine, get_engine
 from sparsepipe_hpc.nn.functional import sparse_conv
 from sparsepipe_hpc.sparse import SparseTensor
@@ -162,12 +162,10 @@ class _SparseConvBase(nn.Module):
         if e is None:
             s = self.spec
             out_shape = s.out_shape(x.spatial_shape)
-            out = x.coords if s.subm else output_coords(x.coords, s.kernel_size, s.stride,
-                                                        s.padding, s.dilation, out_shape)
             # A submanifold layer may run the engine's own map: its KernelMap is built on first
             # use (local_map); a strided one's now, since its inverse and the pipeline read it.
-            km = None if s.subm else kernel_map(x.coords, out, s.kernel_size, s.stride,
-                                                s.padding, s.dilation)
+            out, km = (x.coords, None) if s.subm else strided_map(
+                x.coords, s.kernel_size, s.stride, s.padding, s.dilation, out_shape)
             e = ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, km,
                           batch_size=x.batch_size)
             x.kmaps[key] = e

@@ -36,7 +36,7 @@ import torch
 from halo.cuts import Cuts, CutError, balanced_cuts, uniform_cuts
 from halo.exchange import HaloExchange
 from halo.grid import ProcessGrid
-from halo.kmap import KernelMap, kernel_map, output_coords
+from halo.kmap import KernelMap, kernel_map, output_coords, strided_map
 from halo.plan import build_plan, halo_radius
 from halo.transport.base import Transport
 from halo.transport.mpi import MPITransport
@@ -196,14 +196,16 @@ class SpatialDomain:
         alone = self.grid.size == 1  # one box, every voxel in it: no halo, no ownership test
         plan = build_plan(self.grid, self.cuts, x.coords, radius, stride=x.stride,
                           transport=self.group.transport) if radius > 0 and not alone else None
+        local: Optional[KernelMap] = None
         if s.subm:
             out = x.coords
         elif plan is not None:
             out = plan.owned_outputs(x.coords, *geometry, out_shape)
+        elif alone:
+            out, local = strided_map(x.coords, *geometry, out_shape)
         else:  # every input an output of this box reads is in the box (stride-aligned cuts)
             out = output_coords(x.coords, *geometry, out_shape)
-            if not alone:
-                out = out[self.owned_rows(out, stride=x.stride * s.stride)]
+            out = out[self.owned_rows(out, stride=x.stride * s.stride)]
         # A submanifold layer's local part usually runs on the engine's own map (DistMaps.subm):
         # its explicit local pairs are then built only if an engine without one asks.
         native = s.subm and self.group.native_local
@@ -214,7 +216,9 @@ class SpatialDomain:
 
         if plan is None or not (plan.send_ranks or plan.recv_ranks):
             # Nothing to exchange on this rank, and so no peer waits for it either.
-            maps = DistMaps(None if native else build_local(), None, build_local=build_local)
+            if local is None and not native:
+                local = build_local()
+            maps = DistMaps(local, None, build_local=build_local)
         elif native:
             # The halo pairs alone: a lookup of the outputs' stencils among the halo voxels gives
             # exactly the halo half of the split map (each output has one input per offset).
