@@ -82,6 +82,40 @@ def test_engines_agree_on_gradients(gen):
     torch.testing.assert_close(a[1], b[1], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 2, 1), (3, 1, 1)])
+def test_spconv_split_backward_equals_its_own(gen, monkeypatch, k, s, p):
+    """The backward CUDA takes (spconv's own allocates per offset there: SPLIT_BACKWARD), run on
+    the CPU: the same input and weight gradients as spconv's indice_conv_backward, for a strided
+    map and its transpose, whole and in pieces between progress calls, accumulating into a given
+    input gradient and leaving the input gradient out when not asked for."""
+    import sparsepipe_hpc.engine.spconv_engine as se
+
+    x = random_cloud(gen, 700, channels=5)
+    shape = tuple(int(v) + 1 for v in x.coords[:, 1:].max(0).values)
+    out_shape = tuple((n + 2 * p - k) // s + 1 for n in shape)
+    oc = output_coords(x.coords, k, s, p, 1, out_shape)
+    km = kernel_map(x.coords, oc, k, s, p, 1)
+    eng = get_engine("spconv")
+    for m, c_in, c_out in ((km, 5, 3), (km.transpose(), 3, 5)):
+        feats = torch.randn(m.n_in, c_in, generator=gen, dtype=torch.float64)
+        w = torch.randn(c_out, k ** 3, c_in, generator=gen, dtype=torch.float64)
+        g = torch.randn(m.n_out, c_out, generator=gen, dtype=torch.float64)
+        acc = torch.randn(m.n_in, c_in, generator=gen, dtype=torch.float64)
+        ref = [eng.backward(feats, w, g, m), eng.backward(feats, w, g, m, need_input_grad=False),
+               eng.backward(feats, w, g, m, grad_in=acc.clone())]
+        monkeypatch.setattr(se, "SPLIT_BACKWARD", ("cpu", "cuda"))
+        calls: list = []
+        got = [eng.backward(feats, w, g, m, progress=lambda: calls.append(1)),
+               eng.backward(feats, w, g, m, need_input_grad=False),
+               eng.backward(feats, w, g, m, grad_in=acc.clone())]
+        monkeypatch.undo()
+        assert calls and got[1][0] is None and ref[1][0] is None
+        for (gi, gw), (ri, rw) in zip(got, ref):
+            if ri is not None:
+                torch.testing.assert_close(gi, ri, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(gw, rw, rtol=1e-12, atol=1e-12)
+
+
 def test_torch_engine_gradient_is_adjoint(gen):
     """<conv(x), r> == <x, conv^T(r)>: the input gradient is the exact adjoint of the forward."""
     x = random_cloud(gen, 300, channels=3)
