@@ -265,12 +265,12 @@ def axis_histograms(xyz: ArrayLike, extent: Sequence[int], align: int = 1,
     e = _triple(extent, "extent")
     sizes = [_ceil_div(v, align) for v in e]
     if isinstance(xyz, torch.Tensor) and xyz.ndim == 2 and xyz.shape[1] == 3:
-        x = xyz.detach().long()
-        outside = (x < 0).any(1)
+        t = xyz.detach().long()
+        outside = (t < 0).any(1)
         for a in range(3):
-            outside |= x[:, a] >= e[a]
-        counts = [torch.bincount((x[:, a] // align).clamp_(0, sizes[a] - 1), minlength=sizes[a])
-                  if a in axes else x.new_zeros(sizes[a]) for a in range(3)]
+            outside |= t[:, a] >= e[a]
+        counts = [torch.bincount((t[:, a] // align).clamp_(0, sizes[a] - 1), minlength=sizes[a])
+                  if a in axes else t.new_zeros(sizes[a]) for a in range(3)]
         host = torch.cat([outside.sum().reshape(1), *counts]).cpu().numpy()  # one device sync
         if host[0]:
             checked_xyz(xyz, e)  # raises, naming the first such row
