@@ -84,17 +84,26 @@ class KernelMap:
     n_out: int
     _spconv: Optional[tuple] = field(default=None, repr=False, compare=False)
     _transposed: Optional["KernelMap"] = field(default=None, repr=False, compare=False)
+    _bounds: Optional[list[int]] = field(default=None, repr=False, compare=False)
 
     @property
     def num_offsets(self) -> int:
         return len(self.ptr) - 1
 
     @property
+    def bounds(self) -> list[int]:
+        """``ptr`` as Python ints, read once (each ``int()`` of an element is a torch op: a
+        U-Net step read ~200 of them)."""
+        if self._bounds is None:
+            self._bounds = self.ptr.tolist()
+        return self._bounds
+
+    @property
     def num_pairs(self) -> int:
-        return int(self.ptr[-1])
+        return self.bounds[-1]
 
     def pairs(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = int(self.ptr[k]), int(self.ptr[k + 1])
+        a, b = self.bounds[k], self.bounds[k + 1]
         return self.in_rows[a:b], self.out_rows[a:b]
 
     def transpose(self) -> "KernelMap":
