@@ -328,6 +328,30 @@ def test_spconv_subm_map_equals_explicit_pairs(gen, k, d, pieces):
     assert get_engine("torch").subm_map(x.coords, x.spatial_shape, x.batch_size, 3, 1) is None
 
 
+@pytest.mark.parametrize("k,d", [(3, 1), (3, 2), (5, 1)])
+def test_spconv_subm_split_backward_equals_explicit_pairs(gen, monkeypatch, k, d):
+    """The Native submanifold backward CUDA takes (SPLIT_BACKWARD: spconv's own allocates per
+    offset there), run on the CPU against the torch engine on our kernel map (float64)."""
+    import sparsepipe_hpc.engine.spconv_engine as se
+
+    monkeypatch.setattr(se, "SPLIT_BACKWARD", ("cpu", "cuda"))
+    x = random_cloud(gen, 900)
+    eng = get_engine("spconv")
+    m = eng.subm_map(x.coords, x.spatial_shape, x.batch_size, k, d)
+    km = kernel_map(x.coords, x.coords, k, 1, d * (k // 2), d)
+    w = torch.randn(5, k ** 3, 4, dtype=torch.float64, generator=gen)
+    g = torch.randn(km.n_out, 5, dtype=torch.float64, generator=gen)
+    calls: list = []
+    gi, gw = eng.backward(x.feats, w, g, m, progress=lambda: calls.append(1))
+    rgi, rgw = get_engine("torch").backward(x.feats, w, g, km)
+    torch.testing.assert_close(gi, rgi, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw, rgw, rtol=1e-12, atol=1e-12)
+    assert calls == [1]
+    none, gw2 = eng.backward(x.feats, w, g, m, need_input_grad=False)
+    assert none is None
+    torch.testing.assert_close(gw2, rgw, rtol=1e-12, atol=1e-12)
+
+
 def test_spconv_gets_bfloat16_as_float32_on_every_device():
     """spconv 2.3.8 has no bfloat16 (a CUDA bf16 tensor would raise KeyError in its dtype
     table), so bfloat16 calls compute in float32 on CUDA too; when spconv adds it, this says so."""

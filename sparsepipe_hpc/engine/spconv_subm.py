@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from sparsepipe_hpc.engine.base import Progress
+from sparsepipe_hpc.engine import spconv_engine
 from sparsepipe_hpc.engine.spconv_engine import native_dtype, patch_spconv, spconv_call
 
 __all__ = ["SubmMap", "subm_map", "subm_forward", "subm_backward"]
@@ -205,6 +206,8 @@ def subm_backward(feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Ten
         if progress is not None:
             progress()
         return (gi if need_input_grad else None), gw.view_as(weight)
+    if feats.device.type in spconv_engine.SPLIT_BACKWARD:
+        return _split_backward(feats, weight, grad_out, m, progress, need_input_grad)
     g_in: Optional[torch.Tensor] = None
     g_w: Optional[torch.Tensor] = None
     with spconv_call(feats.device):
@@ -217,3 +220,30 @@ def subm_backward(feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Ten
                 progress()
     assert g_in is not None and g_w is not None
     return (g_in if need_input_grad else None), g_w
+
+
+def _split_backward(feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, m: SubmMap,
+                    progress: Progress, need_input_grad: bool
+                    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """:func:`subm_backward` on the Native path without spconv's backward kernels (which take a
+    cudaMalloc and a cudaFree per offset on CUDA: ``spconv_engine.SPLIT_BACKWARD``): the centre
+    offset as plain GEMMs, the input gradient of the others as spconv's forward kernel on the
+    completed table's pairs read in reverse, their weight gradients one torch GEMM each."""
+    from spconv.pytorch import ops
+
+    full, counts = _explicit_pairs(m)  # mirrored offsets filled in, the centre left empty
+    centre = m.kernel_volume // 2
+    g_w = torch.zeros_like(weight)
+    torch.mm(grad_out.t(), feats, out=g_w[:, centre])
+    g_in = grad_out @ weight[:, centre] if need_input_grad else None
+    if g_in is not None and bool(counts.any()):
+        with spconv_call(feats.device):
+            g_in.add_(ops.indice_conv(grad_out, weight.permute(2, 1, 0).contiguous(), full,
+                                      counts, m.n, True, False))
+    for k, n in enumerate(counts.tolist()):  # host counts: no device sync
+        if n:
+            i, o = full[0, k, :n].long(), full[1, k, :n].long()
+            torch.mm(grad_out[o].t(), feats[i], out=g_w[:, k])
+    if progress is not None:
+        progress()
+    return g_in, g_w
