@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from halo.kmap import value_counts
+
 if TYPE_CHECKING:
     from mpi4py import MPI
 
@@ -269,7 +271,7 @@ def axis_histograms(xyz: ArrayLike, extent: Sequence[int], align: int = 1,
         outside = (t < 0).any(1)
         for a in range(3):
             outside |= t[:, a] >= e[a]
-        counts = [torch.bincount((t[:, a] // align).clamp_(0, sizes[a] - 1), minlength=sizes[a])
+        counts = [value_counts((t[:, a] // align).clamp_(0, sizes[a] - 1), sizes[a])
                   if a in axes else t.new_zeros(sizes[a]) for a in range(3)]
         host = torch.cat([outside.sum().reshape(1), *counts]).cpu().numpy()  # one device sync
         if host[0]:

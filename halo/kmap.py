@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 __all__ = ["KernelMap", "kernel_map", "kernel_offsets", "output_coords", "strided_map", "coord_keys",
-           "decode_keys", "lookup"]
+           "decode_keys", "lookup", "value_counts"]
 
 _BITS = 18  # bits per spatial axis: coordinates in [-2**17, 2**17); batch index below 2**9
 _HALF = 1 << (_BITS - 1)
@@ -55,6 +55,14 @@ def lookup(table_keys_sorted: torch.Tensor, order: torch.Tensor,
     pos = torch.searchsorted(table_keys_sorted, query).clamp_(max=len(table_keys_sorted) - 1)
     found = table_keys_sorted[pos] == query
     return torch.where(found, order[pos], torch.full_like(pos, -1))
+
+
+def value_counts(index: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 [n] on ``index``'s device: how often each of 0..n-1 occurs in ``index`` (int64, all
+    in range). ``torch.bincount`` gives the same, but on CUDA it first reads the input's minimum
+    and maximum back to the host: two device syncs."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(
+        0, index, torch.ones_like(index))
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -228,7 +236,7 @@ def _window_map(in_coords: torch.Tensor, out_coords: torch.Tensor, s: tuple[int,
     # An output has at most one input per offset: (offset, output row) orders the pairs fully.
     perm = torch.argsort(k * len(out_coords) + out_rows)
     ptr = torch.zeros(n_k + 1, dtype=torch.int64)
-    ptr[1:] = torch.cumsum(torch.bincount(k, minlength=n_k).cpu(), 0)
+    ptr[1:] = torch.cumsum(value_counts(k, n_k).cpu(), 0)
     return KernelMap(in_rows[perm], out_rows[perm], ptr, len(in_coords), len(out_coords))
 
 
@@ -290,21 +298,22 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     shape = _on(torch.tensor(list(out_shape), dtype=torch.int64), dev)
     ok = ((o >= 0) & (o < shape)).all(1)
     n_k = s[0] * s[1] * s[2]
-    # Inputs whose output lies outside the grid take the largest key, so they sort last, and
-    # offset n_k, a bin of their own.
-    keys = torch.where(ok, coord_keys(torch.cat([c[:, :1], o], 1)),
-                       torch.full_like(k, torch.iinfo(torch.int64).max))
+    # Inputs whose output lies outside the grid take key -1, below every voxel's (keys are >= 0),
+    # so they come first among the outputs and are dropped, and offset n_k, a bin of their own.
+    keys = torch.where(ok, coord_keys(torch.cat([c[:, :1], o], 1)), torch.full_like(k, -1))
     k = torch.where(ok, k, torch.full_like(k, n_k))
-    counts = torch.bincount(k, minlength=n_k + 1).cpu()  # host sync 1
+    counts = value_counts(k, n_k + 1).cpu()  # host sync 1
     uniq, row = torch.unique(keys, return_inverse=True)  # host sync 2: the outputs' count
     n_pairs = len(c) - int(counts[n_k])
-    m = len(uniq) - (1 if n_pairs < len(c) else 0)
+    dropped = 1 if n_pairs < len(c) else 0  # the slot of key -1
+    m = len(uniq) - dropped
+    row = row - dropped  # -1 for the dropped inputs, whose offset n_k sorts them last anyway
     # An output has at most one input per offset: (offset, output row) orders the pairs fully,
     # and each input is one pair, so the ordering permutation is the pairs' input rows.
     in_rows = torch.argsort(k * (m + 1) + row)[:n_pairs]
     ptr = torch.zeros(n_k + 1, dtype=torch.int64)
     ptr[1:] = torch.cumsum(counts[:n_k], 0)
-    return decode_keys(uniq[:m]), KernelMap(in_rows, row[in_rows], ptr, len(c), m)
+    return decode_keys(uniq[dropped:]), KernelMap(in_rows, row[in_rows], ptr, len(c), m)
 
 
 def key_batch(keys: torch.Tensor) -> torch.Tensor:

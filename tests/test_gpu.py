@@ -73,6 +73,57 @@ def test_spconv_subm_map_on_gpu_equals_cpu(gen, dtype):
     torch.testing.assert_close(gw.float().cpu(), ref_gw, rtol=2e-2, atol=2e-1)
 
 
+@pytest.mark.parametrize("progress", [False, True])
+def test_spconv_native_subm_on_gpu_equals_cpu(gen, progress):
+    """A 5x5x5 submanifold layer (kernel volume over 32: spconv's Native path, and its backward
+    without spconv's backward kernels) against the CPU reference, whole and between progress
+    calls."""
+    from sparsepipe_hpc.engine.spconv_subm import subm_backward, subm_forward, subm_map
+
+    x = random_cloud(gen, 2000, channels=8, dtype=torch.float32)
+    km = kernel_map(x.coords, x.coords, 5, 1, 2, 1)
+    w = torch.randn(16, 125, 8, generator=gen) / 40
+    g = torch.randn(km.n_out, 16, generator=gen)
+    ref_y = get_engine("torch").forward(x.feats, w, km)
+    ref_gi, ref_gw = get_engine("torch").backward(x.feats, w, g, km)
+    m = subm_map(x.coords.cuda(), x.spatial_shape, x.batch_size, 5, 1)
+    assert not m.implicit_gemm
+    calls: list = []
+    p = (lambda: calls.append(1)) if progress else None
+    f, wc, gc = x.feats.cuda(), w.cuda(), g.cuda()
+    y = subm_forward(f, wc, m, p)
+    gi, gw = subm_backward(f, wc, gc, m, p)
+    assert bool(calls) == progress
+    torch.testing.assert_close(y.cpu(), ref_y, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(gi.cpu(), ref_gi, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(gw.cpu(), ref_gw, rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (2, 2, 1), (3, 2, 1)])
+def test_strided_map_and_its_backward_on_gpu_equal_cpu(gen, k, s, p):
+    """A strided layer's outputs and map built on the GPU equal the CPU's; its spconv backward
+    on CUDA (input gradient by spconv's forward kernel, weight gradient by torch GEMMs), whole
+    and between progress calls, equals the torch engine on the CPU."""
+    from halo.kmap import strided_map
+
+    x = random_cloud(gen, 3000, channels=8, dtype=torch.float32)
+    shape = tuple(int(v) + 1 for v in x.coords[:, 1:].max(0).values)
+    out_shape = tuple((n + 2 * p - k) // s + 1 for n in shape)
+    out, km = strided_map(x.coords, k, s, p, 1, out_shape)
+    out_g, km_g = strided_map(x.coords.cuda(), k, s, p, 1, out_shape)
+    assert torch.equal(out_g.cpu(), out) and torch.equal(km_g.ptr, km.ptr)
+    assert torch.equal(km_g.in_rows.cpu(), km.in_rows)
+    assert torch.equal(km_g.out_rows.cpu(), km.out_rows)
+    w = torch.randn(16, k ** 3, 8, generator=gen) / 10
+    g = torch.randn(km.n_out, 16, generator=gen)
+    ref_gi, ref_gw = get_engine("torch").backward(x.feats, w, g, km)
+    eng = get_engine("spconv", "cuda")
+    for progress in (None, lambda: None):
+        gi, gw = eng.backward(x.feats.cuda(), w.cuda(), g.cuda(), km_g, progress)
+        torch.testing.assert_close(gi.cpu(), ref_gi, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(gw.cpu(), ref_gw, rtol=1e-3, atol=1e-2)
+
+
 def test_two_layers_sharing_one_subm_map_each_get_their_own_gradients(gen):
     """Every submanifold layer of one stride shares one SubmMap, and the implicit GEMM's
     backward reuses the mask its forward stored there, keyed by weight shape and dtype: two

@@ -162,7 +162,7 @@ class SpconvEngine(Engine):
         work = native_dtype(feats.dtype, feats.device, (weight.shape[2], weight.shape[0]))
         if work != feats.dtype:
             gi, gw = self.backward(feats.to(work), weight.to(work), grad_out.to(work), kmap,
-                                   progress, need_input_grad)
+                                   progress, need_input_grad or grad_in is not None)
             gw = gw.to(weight.dtype)
             if gi is None:
                 return None, gw

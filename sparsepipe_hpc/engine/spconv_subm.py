@@ -234,16 +234,16 @@ def _split_backward(feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.T
     full, counts = _explicit_pairs(m)  # mirrored offsets filled in, the centre left empty
     centre = m.kernel_volume // 2
     g_w = torch.zeros_like(weight)
-    torch.mm(grad_out.t(), feats, out=g_w[:, centre])
-    g_in = grad_out @ weight[:, centre] if need_input_grad else None
-    if g_in is not None and bool(counts.any()):
-        with spconv_call(feats.device):
+    with spconv_call(feats.device):  # autocast off: the GEMMs stay in the dtype given
+        torch.mm(grad_out.t(), feats, out=g_w[:, centre])
+        g_in = grad_out @ weight[:, centre] if need_input_grad else None
+        if g_in is not None and bool(counts.any()):
             g_in.add_(ops.indice_conv(grad_out, weight.permute(2, 1, 0).contiguous(), full,
                                       counts, m.n, True, False))
-    for k, n in enumerate(counts.tolist()):  # host counts: no device sync
-        if n:
-            i, o = full[0, k, :n].long(), full[1, k, :n].long()
-            torch.mm(grad_out[o].t(), feats[i], out=g_w[:, k])
+        for k, n in enumerate(counts.tolist()):  # host counts: no device sync
+            if n:
+                i, o = full[0, k, :n].long(), full[1, k, :n].long()
+                torch.mm(grad_out[o].t(), feats[i], out=g_w[:, k])
     if progress is not None:
         progress()
     return g_in, g_w
