@@ -51,52 +51,32 @@ def test_unet_step_on_gpu(gen):
     assert y.feats.is_cuda and all(p.grad is not None for p in net.parameters())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_spconv_subm_map_on_gpu_equals_cpu(gen, dtype):
-    """The local path's implicit GEMM (spconv's own indices on CUDA) against the CPU reference."""
+@pytest.mark.parametrize("k,dtype,progress", [(3, torch.float32, False), (3, torch.float16, False),
+                                               (5, torch.float32, False), (5, torch.float32, True)])
+def test_spconv_subm_map_on_gpu_equals_cpu(gen, k, dtype, progress):
+    """spconv's own indices on CUDA against the CPU reference: implicit GEMM for 3x3x3, the Native
+    path for 5x5x5 (kernel volume over 32; its backward without spconv's backward kernels),
+    whole and between progress calls."""
     from sparsepipe_hpc.engine.spconv_subm import subm_backward, subm_forward, subm_map
 
     x = random_cloud(gen, 3000, channels=16, dtype=torch.float32)
-    km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
-    w = torch.randn(16, 27, 16, generator=gen) / 20
+    km = kernel_map(x.coords, x.coords, k, 1, k // 2, 1)
+    w = torch.randn(16, k ** 3, 16, generator=gen) / (4 * k ** 1.5)
     g = torch.randn(km.n_out, 16, generator=gen)
     ref_y = get_engine("torch").forward(x.feats, w, km)
     ref_gi, ref_gw = get_engine("torch").backward(x.feats, w, g, km)
-    m = subm_map(x.coords.cuda(), x.spatial_shape, x.batch_size, 3, 1)
-    assert m.implicit_gemm
+    m = subm_map(x.coords.cuda(), x.spatial_shape, x.batch_size, k, 1)
+    assert m.implicit_gemm == (k == 3)
+    calls: list = []
+    p = (lambda: calls.append(1)) if progress else None
     f, wc, gc = x.feats.cuda().to(dtype), w.cuda().to(dtype), g.cuda().to(dtype)
-    y = subm_forward(f, wc, m)
-    gi, gw = subm_backward(f, wc, gc, m)
+    y = subm_forward(f, wc, m, p)
+    gi, gw = subm_backward(f, wc, gc, m, p)
+    assert bool(calls) == progress
     tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.float16 else dict(rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(y.float().cpu(), ref_y, **tol)
     torch.testing.assert_close(gi.float().cpu(), ref_gi, **tol)
     torch.testing.assert_close(gw.float().cpu(), ref_gw, rtol=2e-2, atol=2e-1)
-
-
-@pytest.mark.parametrize("progress", [False, True])
-def test_spconv_native_subm_on_gpu_equals_cpu(gen, progress):
-    """A 5x5x5 submanifold layer (kernel volume over 32: spconv's Native path, and its backward
-    without spconv's backward kernels) against the CPU reference, whole and between progress
-    calls."""
-    from sparsepipe_hpc.engine.spconv_subm import subm_backward, subm_forward, subm_map
-
-    x = random_cloud(gen, 2000, channels=8, dtype=torch.float32)
-    km = kernel_map(x.coords, x.coords, 5, 1, 2, 1)
-    w = torch.randn(16, 125, 8, generator=gen) / 40
-    g = torch.randn(km.n_out, 16, generator=gen)
-    ref_y = get_engine("torch").forward(x.feats, w, km)
-    ref_gi, ref_gw = get_engine("torch").backward(x.feats, w, g, km)
-    m = subm_map(x.coords.cuda(), x.spatial_shape, x.batch_size, 5, 1)
-    assert not m.implicit_gemm
-    calls: list = []
-    p = (lambda: calls.append(1)) if progress else None
-    f, wc, gc = x.feats.cuda(), w.cuda(), g.cuda()
-    y = subm_forward(f, wc, m, p)
-    gi, gw = subm_backward(f, wc, gc, m, p)
-    assert bool(calls) == progress
-    torch.testing.assert_close(y.cpu(), ref_y, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(gi.cpu(), ref_gi, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(gw.cpu(), ref_gw, rtol=1e-3, atol=1e-2)
 
 
 @pytest.mark.parametrize("k,s,p", [(2, 2, 0), (2, 2, 1), (3, 2, 1)])
