@@ -55,7 +55,7 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
     assert r["steps"]["fp16"]["sparseunet"]["median_s"] > 0
     layer = r["layer"]["fp32"]
     assert layer["pairs"] > layer["voxels"] > 0
-    for net in ("project", "spconv", "torch_mm"):
+    for net in ("project", "project_torch", "spconv", "torch_mm"):
         assert layer[net]["tflops"] > 0
     for precision in ("fp32", "fp16"):
         bn = r["batchnorm"][precision]

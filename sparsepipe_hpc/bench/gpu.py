@@ -20,7 +20,8 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                synchronizations and torch ops of one more step (:mod:`.launches`), what made
                the project's step slow before (issue 10's profile).
   layer        one submanifold 3x3x3 layer, C -> C channels, forward + backward on the scene's
-               voxels: project layer, spconv's ``SubMConv3d``, and ``torch.mm`` of the same GEMM
+               voxels: project layer (``project``: the default engine; ``project_torch``: the
+               own torch engine), spconv's ``SubMConv3d``, and ``torch.mm`` of the same GEMM
                shapes ([N, 27 C] x [27 C, C] and its two gradients); TFLOP/s of useful work
                (2 * pairs * C * C per GEMM pass, three passes); with ``--triton`` also
                spconv-triton's ``SubMConv3d``.
@@ -242,21 +243,26 @@ def _layer(x: SparseTensor, c: int, args: Any, device: torch.device,
     pairs = kernel_map(x.coords, x.coords, 3, 1, 1, 1).num_pairs
     feats = torch.randn(n, c, device=device)
     xs = x.replace(feats=feats, kmaps={})
-    torch.manual_seed(0)
-    ours = SubMConv3d(c, c, 3).to(device)
     grad = torch.randn(n, c, device=device)
 
-    def ours_fn() -> None:
-        f = feats.clone().requires_grad_()
-        with _autocast(device, dtype):
-            y = ours(xs.replace(feats=f)).feats
-        y.backward(grad.to(y.dtype))
+    def layer_fn(engine: str) -> Callable[[], None]:
+        torch.manual_seed(0)
+        layer = SubMConv3d(c, c, 3, engine=engine).to(device)
+
+        def fn() -> None:
+            f = feats.clone().requires_grad_()
+            with _autocast(device, dtype):
+                y = layer(xs.replace(feats=f)).feats
+            y.backward(grad.to(y.dtype))
+        return fn
 
     useful = 3 * 2 * pairs * c * c
     dense = 3 * 2 * n * 27 * c * c
     out: dict[str, Any] = {"channels": c, "voxels": n, "pairs": pairs,
                            "useful_flop": useful, "dense_flop": dense}
-    layers = {"project": ours_fn}
+    # The default engine's layer, and the same layer on the own torch engine (explicit pairs,
+    # one gather, GEMM and scatter-add per offset): the engines a GPU default is chosen from.
+    layers = {"project": layer_fn("auto"), "project_torch": layer_fn("torch")}
     if _spconv_runs(device, dtype):
         layers["spconv"] = _plain_layer(sp, _algo(device), x, c, feats, grad, device, dtype)
     else:
@@ -464,7 +470,7 @@ def main(argv: list[str]) -> None:
                   f"{steps['time_ratio_distributed_1x1x1_over_spconv']:.2f}")
         layer = result["layer"][name] = _layer(x, args.layer_channels, args, device,
                                                PRECISIONS[name])
-        for net in ("project", "spconv", "spconv_triton", "torch_mm"):
+        for net in ("project", "project_torch", "spconv", "spconv_triton", "torch_mm"):
             t = layer.get(net, {"skipped": "not asked for"})
             if "skipped" in t:
                 continue
