@@ -18,7 +18,7 @@ import torch
 from sparsepipe_hpc.engine.base import Engine, Progress
 
 __all__ = ["SpconvEngine", "SpconvDtypeError", "patch_spconv", "single_thread", "spconv_call",
-           "native_dtype", "SPLIT_BACKWARD"]
+           "native_dtype", "SPLIT_BACKWARD", "split_backward"]
 
 _patched = False
 
@@ -170,8 +170,13 @@ class SpconvEngine(Engine):
             return (gi if grad_in is None else grad_in.add_(gi)), gw
         feats, grad_out = feats.contiguous(), grad_out.contiguous()
         input_grad = need_input_grad or grad_in is not None
-        backward = _split_backward if feats.device.type in SPLIT_BACKWARD else _spconv_backward
-        g_in, g_w = backward(self._ops, feats, weight, grad_out, kmap, progress, input_grad)
+        pairs, counts = kmap.spconv_pairs()
+        if feats.device.type in SPLIT_BACKWARD:
+            g_in, g_w = split_backward(self._ops, feats, weight, grad_out, pairs, counts,
+                                       kmap.n_in, progress, input_grad)
+        else:
+            g_in, g_w = _spconv_backward(self._ops, feats, weight, grad_out, pairs, counts,
+                                         progress)
         if not input_grad:
             return None, g_w
         assert g_in is not None
@@ -188,11 +193,10 @@ SPLIT_BACKWARD = ("cuda",)
 
 
 def _spconv_backward(ops: Any, feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
-                     kmap: Any, progress: Progress, input_grad: bool
-                     ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                     pairs: torch.Tensor, counts: torch.Tensor, progress: Progress
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward of an explicit-pair call through spconv's indice_conv_backward (which
     computes the input gradient whether asked for or not)."""
-    pairs, counts = kmap.spconv_pairs()
     weight = weight.contiguous()
     g_in: Optional[torch.Tensor] = None
     g_w: Optional[torch.Tensor] = None
@@ -203,29 +207,32 @@ def _spconv_backward(ops: Any, feats: torch.Tensor, weight: torch.Tensor, grad_o
             g_w = gw if g_w is None else g_w.add_(gw)
             if progress is not None:
                 progress()
-    assert g_w is not None  # num_pairs > 0: at least one part ran
+    assert g_in is not None and g_w is not None  # num_pairs > 0: at least one part ran
     return g_in, g_w.view_as(weight)
 
 
-def _split_backward(ops: Any, feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
-                    kmap: Any, progress: Progress, input_grad: bool
-                    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-    """The backward of an explicit-pair call without spconv's backward kernels: the input
-    gradient is the transposed convolution of ``grad_out`` (spconv's forward kernel, the pairs
-    read in reverse, the weight as [C_in, K, C_out]); the weight gradient one torch GEMM per
+def split_backward(ops: Any, feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
+                   pairs: torch.Tensor, counts: torch.Tensor, n_in: int, progress: Progress,
+                   input_grad: bool) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """The backward of a gather-GEMM-scatter call over spconv's ``pairs`` [2, K, L] and host
+    ``counts`` [K] without spconv's backward kernels: the input gradient is the transposed
+    convolution of ``grad_out`` (spconv's forward kernel, the pairs read in reverse, the weight
+    as [C_in, K, C_out]; None where no offset has pairs); the weight gradient one torch GEMM per
     offset. ``feats``, ``grad_out`` contiguous."""
-    pairs, counts = kmap.spconv_pairs()
     w_t = weight.permute(2, 1, 0).contiguous() if input_grad else None
     g_in: Optional[torch.Tensor] = None
     g_w = torch.zeros_like(weight)
-    with spconv_call(feats.device):
+    with spconv_call(feats.device):  # autocast off: the GEMMs stay in the dtype given
         for part in _chunks(counts, progress):
+            if not bool(part.any()):  # spconv's kernel refuses a call without pairs
+                continue
             if w_t is not None:
-                gi = ops.indice_conv(grad_out, w_t, pairs, part, kmap.n_in, True, False)
+                gi = ops.indice_conv(grad_out, w_t, pairs, part, n_in, True, False)
                 g_in = gi if g_in is None else g_in.add_(gi)
-            for k in torch.nonzero(part).flatten().tolist():  # host counts: no device sync
-                i, o = kmap.pairs(k)
-                torch.mm(grad_out[o].t(), feats[i], out=g_w[:, k])
+            for k, n in enumerate(part.tolist()):  # host counts: no device sync
+                if n:
+                    i, o = pairs[0, k, :n], pairs[1, k, :n]
+                    torch.mm(grad_out[o].t(), feats[i], out=g_w[:, k])
             if progress is not None:
                 progress()
     return g_in, g_w

@@ -227,23 +227,19 @@ def _split_backward(feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.T
                     ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """:func:`subm_backward` on the Native path without spconv's backward kernels (which take a
     cudaMalloc and a cudaFree per offset on CUDA: ``spconv_engine.SPLIT_BACKWARD``): the centre
-    offset as plain GEMMs, the input gradient of the others as spconv's forward kernel on the
-    completed table's pairs read in reverse, their weight gradients one torch GEMM each."""
+    offset as plain GEMMs, the others as :func:`spconv_engine.split_backward` over the completed
+    table."""
     from spconv.pytorch import ops
 
     full, counts = _explicit_pairs(m)  # mirrored offsets filled in, the centre left empty
+    g_in, g_w = spconv_engine.split_backward(ops, feats, weight, grad_out, full, counts, m.n,
+                                             None, need_input_grad)
     centre = m.kernel_volume // 2
-    g_w = torch.zeros_like(weight)
-    with spconv_call(feats.device):  # autocast off: the GEMMs stay in the dtype given
+    with spconv_call(feats.device):
         torch.mm(grad_out.t(), feats, out=g_w[:, centre])
-        g_in = grad_out @ weight[:, centre] if need_input_grad else None
-        if g_in is not None and bool(counts.any()):
-            g_in.add_(ops.indice_conv(grad_out, weight.permute(2, 1, 0).contiguous(), full,
-                                      counts, m.n, True, False))
-        for k, n in enumerate(counts.tolist()):  # host counts: no device sync
-            if n:
-                i, o = full[0, k, :n].long(), full[1, k, :n].long()
-                torch.mm(grad_out[o].t(), feats[i], out=g_w[:, k])
+        if need_input_grad:
+            g_centre = grad_out @ weight[:, centre]
+            g_in = g_centre if g_in is None else g_in.add_(g_centre)
     if progress is not None:
         progress()
     return g_in, g_w
