@@ -2,45 +2,154 @@
 
     transport = IPCTransport(comm, CudaDevice())   # comm: ranks of ONE node (Split_type shared)
     req = transport.start([(peer, d_send)], [(peer, d_recv)], tag=3)
+    ...                                             # enqueue interior work: start did not wait
     req.wait()                                      # the compute stream waits for the copy-out
 
-UNVERIFIED: written without a GPU; no test has run it (tests/test_transport_gpu.py skips without
-CUDA). Minimal protocol, per exchange and peer, with small host MPI control messages:
+Protocol, per exchange and peer, with small host MPI control messages:
 
-    receiver: a registered device buffer from its pool per (peer, tag): cudaMalloc'd (its own
-              allocation, so its IPC handle covers exactly it) in power-of-two sizes and reused
-              once the copy out of it has run, so a training run's varying halo sizes allocate a
-              bounded set; sends its handle to the sender ("ready": the buffer may be written)
-    sender:   opens the handle once per buffer (cached), copies its tensor into it on the
-              communication stream after the compute stream's event, waits for that copy on the
-              host, sends "done"
-    receiver: on "done", copies the registered buffer into the receive tensor on its
-              communication stream; ``wait`` makes the compute stream wait for that copy
+    receiver: takes a registered buffer from its pool per (peer, tag) (its own allocation, so its
+              IPC handle covers exactly it; power-of-two sizes, reused once the copy out of it
+              has run) and sends the sender its handle ("ready": the buffer may be written)
+    sender:   opens the handle (once per buffer) and copies its tensor into it on the
+              communication stream, after the compute stream's event; returns at once. It sends
+              "done" once that copy has run, seen by polling its event in every test, wait and
+              progress call, and at the latest (blocking on the event) in the request's wait
+    receiver: on "done", copies the buffer into the receive tensor on its communication stream;
+              ``wait`` makes the compute stream wait for that copy
 
-The sender's host waits for its copy before "done" (no cross-process events here, to keep it
-small); cudaIpcGetEventHandle would remove that block. CuPy is imported on construction only.
+So ``start`` never makes the host wait for the device: the interior convolution is enqueued
+behind the copy, and the host waits (if at all) in ``wait``, where the staged transport waits for
+its device-to-host copy too. "done" tells the receiver the data has landed; no event crosses
+processes. A rank blocked on a peer's message keeps sending the "done"s whose copies have run (the
+peer may need one first), and "done"s go out in the order the exchanges were started.
+
+Where the buffers live is the ``memory``: :class:`CudaIPCMemory` (``cudaMalloc`` and IPC handles
+through CuPy, imported on construction), or :class:`SimIPCMemory`, POSIX shared memory, for the
+CPU stand-in device (:class:`~halo.transport.streams.SimDevice`): the same protocol between the
+processes of an ``mpirun`` on a CPU (tests/mpi/test_ipc_transport.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from halo.transport.base import CompletedRequest, Peers, Request, Transport, TransportError
 from halo.transport.streams import Device, Event
 
-__all__ = ["IPCTransport"]
+__all__ = ["IPCTransport", "IPCMemory", "CudaIPCMemory", "SimIPCMemory"]
 
 _CONTROL_TAG_BASE = 1 << 20  # control messages live above the data tags
 
 
-class _Registered:
-    """A receive buffer of ours that peers write into: device pointer, capacity, IPC handle, and
-    the event after the last copy out of it (None: never used, or not in flight)."""
+class IPCMemory(Protocol):
+    """Buffers other processes of the node can open."""
 
-    def __init__(self, ptr: int, capacity: int, handle: bytes) -> None:
-        self.ptr, self.capacity, self.handle = ptr, capacity, handle
+    def alloc(self, nbytes: int) -> tuple[torch.Tensor, bytes]:
+        """A new buffer, uint8 [nbytes] on the device, and the handle a peer opens it by."""
+
+    def open(self, handle: bytes, nbytes: int) -> torch.Tensor:
+        """A peer's buffer of ``nbytes`` as uint8 [nbytes] (call once per handle)."""
+
+    def close(self) -> None:
+        """Release every buffer made or opened."""
+
+
+class CudaIPCMemory:
+    """``cudaMalloc``'d buffers and their CUDA IPC handles, through CuPy, as torch tensors (zero
+    copy, through ``__cuda_array_interface__``). Unverified on a GPU since the move to tensors."""
+
+    def __init__(self, device: torch.device) -> None:
+        import cupy  # on use only
+
+        self._cp, self.device = cupy, torch.device(device)
+        self._index = torch.cuda.current_device() if self.device.index is None \
+            else self.device.index
+        self._own: list[int] = []
+        self._opened: list[int] = []
+
+    def _tensor(self, ptr: int, nbytes: int) -> torch.Tensor:
+        cp = self._cp
+        mem = cp.cuda.UnownedMemory(ptr, nbytes, self, self._index)
+        arr = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
+        return torch.as_tensor(arr, device=torch.device("cuda", self._index))
+
+    def alloc(self, nbytes: int) -> tuple[torch.Tensor, bytes]:
+        rt = self._cp.cuda.runtime
+        with self._cp.cuda.Device(self._index):
+            ptr = rt.malloc(nbytes)
+            handle = bytes(rt.ipcGetMemHandle(ptr))
+        self._own.append(ptr)
+        return self._tensor(ptr, nbytes), handle
+
+    def open(self, handle: bytes, nbytes: int) -> torch.Tensor:
+        with self._cp.cuda.Device(self._index):
+            ptr = self._cp.cuda.runtime.ipcOpenMemHandle(handle)
+        self._opened.append(ptr)
+        return self._tensor(ptr, nbytes)
+
+    def close(self) -> None:
+        rt = self._cp.cuda.runtime
+        with self._cp.cuda.Device(self._index):
+            rt.deviceSynchronize()  # no copy may still use them
+            for ptr in self._opened:
+                rt.ipcCloseMemHandle(ptr)
+            for ptr in self._own:
+                rt.free(ptr)
+        self._own, self._opened = [], []
+
+
+class SimIPCMemory:
+    """POSIX shared memory standing in for CUDA IPC on the CPU (with
+    :class:`~halo.transport.streams.SimDevice`): a handle is a segment's name."""
+
+    def __init__(self) -> None:
+        self._segments: list[Any] = []
+        self._own: list[Any] = []
+
+    def alloc(self, nbytes: int) -> tuple[torch.Tensor, bytes]:
+        from multiprocessing import shared_memory
+
+        shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        self._segments.append(shm)
+        self._own.append(shm)
+        return torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes), shm.name.encode()
+
+    def open(self, handle: bytes, nbytes: int) -> torch.Tensor:
+        from multiprocessing import resource_tracker, shared_memory
+
+        shm = shared_memory.SharedMemory(name=handle.decode())
+        # Attaching registers the segment with this process's tracker too, which would unlink it
+        # at exit under its owner: the owner alone removes it.
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self._segments.append(shm)
+        return torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
+
+    def close(self) -> None:
+        """Unmap every segment, and remove our own (the transport's views must be gone)."""
+        for shm in self._segments:
+            try:
+                shm.close()
+            except BufferError:  # a tensor still views it: unmapped at exit instead
+                pass
+        for shm in self._own:
+            shm.unlink()
+        self._segments, self._own = [], []
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as uint8 [nbytes] (a view)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class _Registered:
+    """A receive buffer of ours that peers write into: uint8 data on the device, its IPC handle,
+    and the event after the last copy out of it (None: never used, or not in flight)."""
+
+    def __init__(self, data: torch.Tensor, handle: bytes) -> None:
+        self.data, self.handle = data, handle
+        self.capacity = data.numel()
         self.busy = False
         self.copied: Optional[Event] = None
 
@@ -48,44 +157,66 @@ class _Registered:
         return not self.busy and (self.copied is None or self.copied.query())
 
 
+class _Sent:
+    """The copies of one ``start`` into peers' buffers: "done" goes to ``peers`` once they ran."""
+
+    def __init__(self, copied: Event, peers: list[int], tag: int) -> None:
+        self.copied, self.peers, self.tag = copied, peers, tag
+        self.told = False
+
+
 class _IPCRequest(Request):
-    def __init__(self, owner: "IPCTransport", recvs: list[tuple[int, torch.Tensor, _Registered]],
-                 done_reqs: list[Any]) -> None:
-        self._owner, self._recvs, self._done_reqs = owner, recvs, done_reqs
+    def __init__(self, owner: "IPCTransport", recvs: list[tuple[torch.Tensor, _Registered]],
+                 control: list[Any], sent: Optional[_Sent]) -> None:
+        self._owner, self._recvs, self._control, self._sent = owner, recvs, control, sent
         self._finished = False
 
+    def _arrived(self) -> bool:
+        return all(r.Test() for r in self._control)
+
     def test(self) -> bool:
-        if not self._finished and all(r.Test() for r in self._done_reqs):
-            self._finish()
+        if not self._finished:
+            self._owner.progress()
+            if (self._sent is None or self._sent.told) and self._arrived():
+                self._finish()
         return self._finished
 
     def wait(self) -> None:
-        if not self._finished:
-            for r in self._done_reqs:
-                r.Wait()
-            self._finish()
+        if self._finished:
+            return
+        o = self._owner
+        if self._sent is not None:
+            o._tell_done(upto=self._sent)  # the host waits for our own copies here, if at all
+        while not self._arrived():
+            o.progress()
+        self._finish()
 
     def _finish(self) -> None:
         o = self._owner
-        for peer, t, buf in self._recvs:
-            o._copy(t.data_ptr(), buf.ptr, t.nbytes)
+        for t, buf in self._recvs:
+            o.stream.copy_(_bytes(t), buf.data[:t.nbytes])
         copied = o.stream.record()
         o.device.compute.wait_event(copied)
-        for _, _, buf in self._recvs:  # offered to a peer again once the copy out has run
+        for _, buf in self._recvs:  # offered to a peer again once the copy out has run
             buf.busy, buf.copied = False, copied
         self._finished = True
 
 
 class IPCTransport(Transport):
-    """Point-to-point between ranks of one node through CUDA IPC; see the module docstring."""
+    """Point-to-point between ranks of one node through CUDA IPC; see the module docstring.
+    ``memory``: where the registered buffers live (default: CUDA IPC on a CUDA ``device``, shared
+    memory on the CPU stand-in)."""
 
-    def __init__(self, comm: Any, device: Device) -> None:
-        from cupy.cuda import runtime  # on use only
-
-        self._rt, self.comm, self.device = runtime, comm, device
+    def __init__(self, comm: Any, device: Device, memory: Optional[IPCMemory] = None) -> None:
+        self.comm, self.device = comm, device
+        if memory is None:
+            memory = (CudaIPCMemory(getattr(device, "device", torch.device("cuda")))
+                      if device.type == "cuda" else SimIPCMemory())
+        self.memory: IPCMemory = memory
         self.stream = device.new_stream("ipc")
         self._buffers: dict[tuple[int, int], list[_Registered]] = {}  # (peer, tag) -> pool
-        self._opened: dict[bytes, int] = {}
+        self._opened: dict[bytes, torch.Tensor] = {}
+        self._unsent: list[_Sent] = []  # copies started, "done" not yet sent (in start order)
 
     def _acquire(self, peer: int, tag: int, nbytes: int) -> _Registered:
         """The smallest free registered buffer for (peer, tag) that holds ``nbytes``, else a new
@@ -95,12 +226,10 @@ class IPCTransport(Transport):
         if fits:
             buf = min(fits, key=lambda b: b.capacity)
         else:
-            cap = max(256, 1 << max(0, nbytes - 1).bit_length())
-            ptr = self._rt.malloc(cap)
-            buf = _Registered(ptr, cap, bytes(self._rt.ipcGetMemHandle(ptr)))
+            buf = _Registered(*self.memory.alloc(max(256, 1 << max(0, nbytes - 1).bit_length())))
             # A send to ourselves writes it directly: CUDA opens only other processes' handles
             # (ipcOpenMemHandle of our own fails with "invalid device context").
-            self._opened[buf.handle] = ptr
+            self._opened[buf.handle] = buf.data
             pool.append(buf)
         buf.busy = True
         return buf
@@ -110,34 +239,68 @@ class IPCTransport(Transport):
         """Receive buffers allocated so far (a leak shows as growth)."""
         return sum(len(pool) for pool in self._buffers.values())
 
-    def _copy(self, dst: int, src: int, nbytes: int) -> None:
-        handle = int(self.stream.stream.cuda_stream)  # type: ignore[attr-defined]
-        self._rt.memcpyAsync(dst, src, nbytes, self._rt.memcpyDeviceToDevice, handle)
+    def close(self) -> None:
+        """Release every buffer; after every request has completed, on every rank (a peer may
+        still write into ours until then)."""
+        self._buffers, self._opened = {}, {}
+        self.memory.close()
+
+    def progress(self) -> bool:
+        self._tell_done(upto=None)
+        return bool(self._unsent)
+
+    def _tell_done(self, upto: Optional[_Sent]) -> None:
+        """Send "done" for started copies, oldest first: those that have run, and (blocking on
+        their events) every one up to and including ``upto``."""
+        while self._unsent:
+            head = self._unsent[0]
+            must = upto is not None and not upto.told
+            if not must and not head.copied.query():
+                return
+            head.copied.synchronize()  # at once when the query above saw it done
+            self._unsent.pop(0)
+            for peer in head.peers:
+                self.comm.send(True, dest=peer, tag=head.tag)
+            head.told = True
+            if head is upto:
+                return
+
+    def _ready_from(self, peer: int, tag: int) -> tuple[bytes, int]:
+        """The (handle, capacity) of the buffer ``peer`` offers, sending our own finished "done"s
+        meanwhile: the peer may be waiting for one before it starts the exchange that offers it."""
+        req = self.comm.irecv(source=peer, tag=tag)
+        while True:
+            arrived, msg = req.test()
+            if arrived:
+                return msg
+            self.progress()
 
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
         if not sends and not recvs:
             return CompletedRequest()
         for peer, t in sends + recvs:
-            if not t.is_cuda or not t.is_contiguous():
+            if t.device.type != self.device.type or not t.is_contiguous():
                 raise TransportError(f"IPCTransport: the tensor for rank {peer} must be a "
-                                     f"contiguous CUDA tensor; got one on {t.device}")
+                                     f"contiguous {self.device.type} tensor; got one on "
+                                     f"{t.device}")
         ctrl = _CONTROL_TAG_BASE + 2 * tag  # ready on ctrl, done on ctrl + 1: no overlap
-        mine, done_reqs = [], []
+        mine, control = [], []
         for peer, t in recvs:  # "ready" first on every rank, so no rank blocks on another
             buf = self._acquire(peer, tag, t.nbytes)
-            done_reqs.append(self.comm.isend(buf.handle, dest=peer, tag=ctrl))  # kept until done
-            done_reqs.append(self.comm.irecv(source=peer, tag=ctrl + 1))
-            mine.append((peer, t, buf))
+            control.append(self.comm.isend((buf.handle, buf.capacity), dest=peer, tag=ctrl))
+            control.append(self.comm.irecv(source=peer, tag=ctrl + 1))
+            mine.append((t, buf))
         # After the producers of the send tensors and the last readers of the receive tensors
         # (the copy-out in _finish overwrites them) on the compute stream.
         self.stream.wait_event(self.device.compute.record())
-        for peer, t in sends:
-            handle = self.comm.recv(source=peer, tag=ctrl)
-            if handle not in self._opened:
-                self._opened[handle] = self._rt.ipcOpenMemHandle(handle)
-            self._copy(self._opened[handle], t.data_ptr(), t.nbytes)
+        sent = None
         if sends:
-            self.stream.record().synchronize()  # the peer may read once this has landed
-            for peer, _ in sends:
-                self.comm.send(True, dest=peer, tag=ctrl + 1)
-        return _IPCRequest(self, mine, done_reqs)
+            for peer, t in sends:
+                handle, capacity = self._ready_from(peer, ctrl)
+                if handle not in self._opened:
+                    self._opened[handle] = self.memory.open(handle, capacity)
+                self.stream.copy_(self._opened[handle][:t.nbytes], _bytes(t))
+            sent = _Sent(self.stream.record(), [peer for peer, _ in sends], ctrl + 1)
+            self._unsent.append(sent)
+            self.progress()
+        return _IPCRequest(self, mine, control, sent)

@@ -9,7 +9,7 @@ On CPU only ``mpi`` exists (``auto`` -> ``mpi``); a device transport asked for o
 ConfigError on every rank (``agree``). On CUDA ``auto`` resolves to ``staged`` for now: halo rows
 and plan coordinates then move device -> pinned host -> MPI -> pinned host -> device on a
 communication stream, the path whose ordering the CPU suite tests on a stand-in device; ``nccl``
-and ``ipc`` must be asked for by name (not yet run on a GPU). Reductions (gradient buckets,
+and ``ipc`` must be asked for by name. Reductions (gradient buckets,
 BatchNorm statistics, pooling) of device tensors go through the matching reducer on a stream of
 the same device: NCCL's for ``nccl``, host-staged MPI for ``staged`` and ``ipc``. Pipeline stage
 transfers of device tensors always go host-staged: their receives are posted late and from both

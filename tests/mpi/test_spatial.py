@@ -16,6 +16,7 @@ from halo.kmap import coord_keys
 from halo.transport.mpi import MPITransport
 from halo.transport.staged import StagedTransport
 from halo.transport.staged_reduce import StagedReducer
+from halo.transport.ipc import IPCTransport
 from halo.transport.streams import SimDevice
 from sparsepipe_hpc.nn import (BatchNorm, GlobalPool, SparseConv3d, SparseInverseConv3d,
                                SparseResNet, SparseUNet, SubMConv3d)
@@ -146,6 +147,15 @@ def staged_on_stand_in(comm):
     return StagedTransport(MPITransport(comm), SimDevice())
 
 
+def ipc_on_stand_in(comm):
+    """The IPC device transport, its streams on the CPU stand-in device and its registered
+    buffers in shared memory (a lag, so "done"s are sent while the ranks wait on others)."""
+    return IPCTransport(comm, SimDevice(lag=2))
+
+
+STAND_IN_TRANSPORTS = {"staged": staged_on_stand_in, "ipc": ipc_on_stand_in}
+
+
 class CountingReducers:
     """Makes host-staged reducers on the stand-in device and keeps them (to count their use)."""
 
@@ -157,13 +167,15 @@ class CountingReducers:
         return self.made[-1]
 
 
+@pytest.mark.parametrize("transport", ["staged", "ipc"])
 @pytest.mark.parametrize("kind", ["random", "clustered"])
 @pytest.mark.parametrize("model", ["unet", "down_up_k3", "bn", "maxpool"])
-def test_staged_transport_equals_serial(comm, model, kind):
-    """Halo rows, their adjoint and the plans' coordinates through StagedTransport, and
-    BatchNorm statistics, pooled sums and bucketed gradients through StagedReducer (device ->
-    staging -> MPI -> staging -> device, ordered by stream events; here on the stand-in
-    device, on a GPU the same code on CudaDevice): the serial result, on every grid."""
+def test_device_transport_equals_serial(comm, model, kind, transport):
+    """Halo rows, their adjoint and the plans' coordinates through StagedTransport or
+    IPCTransport, and BatchNorm statistics, pooled sums and bucketed gradients through
+    StagedReducer (device -> staging -> MPI -> staging -> device, ordered by stream events; here
+    on the stand-in device, on a GPU the same code on CudaDevice): the serial result, on every
+    grid."""
     if model == "unet":
         net, align = (lambda: SparseUNet(3, 5, width=4, depth=2)), 4  # noqa: E731
     else:
@@ -171,7 +183,7 @@ def test_staged_transport_equals_serial(comm, model, kind):
     x = make_cloud(3, kind)
     for grid in grids_for(comm):
         reducers = CountingReducers()
-        run_pair(comm, grid, "balanced", net, x, align, transport=staged_on_stand_in,
+        run_pair(comm, grid, "balanced", net, x, align, transport=STAND_IN_TRANSPORTS[transport],
                  reducer=reducers, bucketed=True)
         if comm.size > 1:  # statistics / pooling (spatial) group and the gradient buckets
             assert sum(r.pool.allocated for r in reducers.made) > 0, "no reduction staged"

@@ -7,7 +7,7 @@ CuPy); BatchNorm statistics and gradient buckets through StagedReducer (the redu
 serial float64 run on the CPU is the oracle, as in test_spatial.py. NCCL is not run
 here unless every rank has a GPU of its own: it refuses two ranks on one GPU.
 Skipped, with the reason, without CUDA (the CPU suite runs the same code on the stand-in device:
-test_spatial.py::test_staged_transport_equals_serial).
+test_spatial.py::test_device_transport_equals_serial).
 """
 
 from __future__ import annotations

@@ -1,0 +1,142 @@
+"""IPCTransport's protocol under real mpirun, on the CPU stand-in: SimDevice streams and POSIX
+shared memory for the registered buffers (SimIPCMemory), so ranks write into each other's buffers
+as CUDA IPC does. ``start`` never waits for the device; the copy into a peer's buffer waits for
+the compute stream's producer; the receiver's consumer waits for the copy out; "done" goes out
+only once the copy has run, in start order, even while its sender is blocked on other messages;
+buffers are reused, not leaked. On a GPU the same transport runs on CudaDevice and CUDA IPC
+(tests/test_transport_gpu.py, tests/mpi/test_spatial_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from halo.transport.ipc import IPCTransport, SimIPCMemory
+from halo.transport.streams import SimDevice
+
+
+@pytest.fixture
+def make(comm):
+    """IPCTransport factory on the stand-in; every transport is closed once all ranks are done
+    with it (a peer may write into our buffers until its last request completes)."""
+    made: list[IPCTransport] = []
+
+    def build(lag: int = 0) -> IPCTransport:
+        made.append(IPCTransport(comm, SimDevice(lag=lag), SimIPCMemory()))
+        return made[-1]
+
+    yield build
+    comm.Barrier()
+    for tr in made:
+        tr.close()
+
+
+def ring(comm):
+    return (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+
+
+def test_start_returns_before_the_producer_ran(comm, make):
+    tr = make()
+    dev = tr.device
+    right, left = ring(comm)
+    send = torch.zeros(4, 3)
+    recv = torch.full((4, 3), -1.0)
+    dev.compute.hold()  # the producer of `send` is still queued on the compute stream
+    dev.compute.launch(lambda: send.fill_(float(comm.rank)))
+    req = tr.start([(right, send)], [(left, recv)], tag=3)  # would block forever if it waited
+    assert not req.test(), "complete before the copy into the peer's buffer could run"
+    dev.compute.release()
+    req.wait()
+    seen: list[torch.Tensor] = []
+    dev.compute.launch(lambda: seen.append(recv.clone()))
+    assert seen and seen[0].eq(float(left)).all()
+
+
+def test_consumer_waits_for_the_copy_out(comm, make):
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    tr = make()
+    if comm.rank == 0:
+        tr.start([(1, torch.full((5,), 7.0))], [], tag=4).wait()
+    elif comm.rank == 1:
+        recv = torch.full((5,), -1.0)
+        seen: list[torch.Tensor] = []
+        req = tr.start([], [(0, recv)], tag=4)
+        tr.stream.hold()  # a slow communication stream: the copy out is enqueued, not run
+        req.wait()
+        tr.device.compute.launch(lambda: seen.append(recv.clone()))
+        assert not seen and recv.eq(-1).all(), "the consumer ran before the copy out"
+        tr.stream.release()
+        assert seen and seen[0].eq(7.0).all()
+
+
+def test_receive_waits_for_earlier_readers_on_the_compute_stream(comm, make):
+    """The copy out overwrites the receive tensor, so it runs after the compute stream's earlier
+    work, which may still read the old contents."""
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    tr = make()
+    if comm.rank == 0:
+        tr.start([(1, torch.full((5,), 7.0))], [], tag=4).wait()
+    elif comm.rank == 1:
+        recv = torch.full((5,), -1.0)
+        seen: list[torch.Tensor] = []
+        tr.device.compute.hold()
+        tr.device.compute.launch(lambda: seen.append(recv.clone()))  # an earlier reader
+        tr.start([], [(0, recv)], tag=4).wait()
+        assert recv.eq(-1).all(), "the copy out overwrote a tensor an earlier kernel reads"
+        tr.device.compute.release()
+        assert seen[0].eq(-1).all() and recv.eq(7.0).all()
+
+
+@pytest.mark.parametrize("lag", [0, 3])
+def test_many_requests_any_completion_order_and_buffer_reuse(comm, make, lag):
+    tr = make(lag)
+    right, left = ring(comm)
+    dtypes = [torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.bool]
+    sends = [(torch.arange(k + 1, dtype=torch.float64) + 100 * comm.rank).to(dtypes[k % 5])
+             for k in range(10)]
+    recvs = [torch.empty_like(s) for s in sends]
+    reqs = [tr.start([(right, s)], [(left, r)], tag=5) for s, r in zip(sends, recvs)]
+    for req in reversed(reqs):  # the last started is waited for first: "done"s still in order
+        req.wait()
+    tr.device.compute.record().synchronize()
+    for k, r in enumerate(recvs):
+        want = (torch.arange(k + 1, dtype=torch.float64) + 100 * left).to(dtypes[k % 5])
+        assert torch.equal(r, want), k
+    made = tr.registered
+    for _ in range(3):  # every copy out has run: steady state registers nothing new
+        tr.start([(right, sends[0])], [(left, recvs[0])], tag=5).wait()
+        tr.device.compute.record().synchronize()
+    assert tr.registered == made
+
+
+def test_done_is_handed_on_while_waiting_for_another_message(comm, make):
+    """Rank 0 sends on tag 1, then waits for what rank 1 sends on tag 2 - which rank 1 sends only
+    after its receive on tag 1 has completed. So rank 0 must send tag 1's "done" while blocked
+    in tag 2's wait (its copy still lags when it gets there); else both wait forever."""
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    tr = make(lag=4)
+    if comm.rank == 0:
+        first = tr.start([(1, torch.full((3,), 1.0))], [], tag=1)
+        got = torch.zeros(3)
+        tr.start([], [(1, got)], tag=2).wait()
+        first.wait()
+        tr.device.compute.record().synchronize()
+        assert got.eq(2.0).all()
+    elif comm.rank == 1:
+        got = torch.zeros(3)
+        tr.start([], [(0, got)], tag=1).wait()
+        tr.device.compute.record().synchronize()
+        tr.start([(0, got * 2)], [], tag=2).wait()
+        assert got.eq(1.0).all()
+
+
+def test_tensors_on_another_device_type_are_refused(comm, make):
+    from halo.transport.base import TransportError
+
+    tr = make()
+    tr.device.type = "cuda"  # the stand-in posing as a GPU: CPU tensors are then wrong
+    with pytest.raises(TransportError, match="must be a contiguous cuda tensor; got one on cpu"):
+        tr.start([(0, torch.zeros(2))], [], tag=0)
