@@ -345,11 +345,13 @@ def _batchnorm(x: SparseTensor, c: int, args: Any, device: torch.device,
 
 def _kernel_maps(x: SparseTensor, depth: int, device: torch.device, repeats: int
                  ) -> dict[str, Any]:
-    """Index building for a U-Net of ``depth`` levels: project versus spconv."""
+    """Index building for a U-Net of ``depth`` levels: project (what its layers build: spconv's
+    own submanifold indices, :func:`~halo.kmap.strided_map` for each k2s2 layer) versus spconv's
+    indices for the same layers."""
     from spconv.core import ConvAlgo
     from spconv.pytorch import ops
 
-    from halo.kmap import kernel_map, output_coords
+    from halo.kmap import kernel_map, output_coords, strided_map
     from sparsepipe_hpc.engine.spconv_engine import patch_spconv
     from sparsepipe_hpc.engine.spconv_subm import subm_map
 
@@ -371,8 +373,7 @@ def _kernel_maps(x: SparseTensor, depth: int, device: torch.device, repeats: int
         for i, (c, shape) in enumerate(lv):
             subm_map(c, shape, x.batch_size, 3, 1)
             if i < depth:
-                nxt = [s // 2 for s in shape]
-                kernel_map(c, output_coords(c, 2, 2, 0, 1, nxt), 2, 2, 0, 1)
+                strided_map(c, 2, 2, 0, 1, [s // 2 for s in shape])
 
     def explicit_subm() -> None:
         for c, _ in lv:
