@@ -65,15 +65,20 @@ class Pending:
         return self._result
 
 
-def _run(rows: torch.Tensor) -> Optional[tuple[int, int]]:
-    """(a, b) when ``rows`` is exactly a, a+1, ..., b-1; else None."""
-    if len(rows) == 0:
-        return None
-    a = int(rows[0])
-    b = a + len(rows)
-    if int(rows[-1]) != b - 1:
-        return None
-    return (a, b) if torch.equal(rows, torch.arange(a, b, device=rows.device)) else None
+def _runs(blocks: list[torch.Tensor]) -> list[Optional[tuple[int, int]]]:
+    """For each block of rows, (a, b) when it is exactly a, a+1, ..., b-1; else None. One read
+    back to the host for all blocks (on a GPU, reads per block would each wait for the device)."""
+    facts = [torch.stack([r[0], (r[1:] - r[:-1] == 1).all().to(r.dtype)]) for r in blocks
+             if len(r)]
+    read = iter(torch.stack(facts).tolist() if facts else [])
+    out: list[Optional[tuple[int, int]]] = []
+    for r in blocks:
+        if not len(r):
+            out.append(None)
+            continue
+        a, consecutive = next(read)
+        out.append((a, a + len(r)) if consecutive else None)
+    return out
 
 
 class HaloExchange:
@@ -84,7 +89,7 @@ class HaloExchange:
         self.transport = transport
         self.tag = int(tag)
         self._recv_offs = plan.recv_offsets
-        self._runs = [_run(r) for r in plan.send_rows]
+        self._runs = _runs(plan.send_rows)
         # Staging layout: packed (non-range) blocks first, then range blocks (adjoint only), so
         # one index_select / index_add_ covers every packed block.
         packed = [i for i, r in enumerate(self._runs) if r is None]

@@ -63,12 +63,13 @@ class _SyncBatchNorm(torch.autograd.Function):
         allreduce_(stats, comm)
         c = x.shape[1]
         n = stats[-1]
-        # The group's count on the host: one rank knows it without waiting for the device
-        n_host = float(len(x)) if group_size(comm) == 1 else float(n)
-        _check_count(n_host)
+        # The group has 2 voxels if this rank has: only a rank with fewer reads the group's count
+        # back (a device sync on CUDA, once per layer otherwise). Where the group has fewer, every
+        # rank has fewer, so all of them read it and raise alike.
+        _check_count(len(x) if len(x) >= 2 or group_size(comm) == 1 else float(n))
         mean, var = _moments(stats, c)
         if stats_out is None:
-            update_running_stats(stats, running_mean, running_var, momentum, count=n_host)
+            update_running_stats(stats, running_mean, running_var, momentum, checked=True)
         else:  # deferred: the caller folds the mini-batch's sums in once (BatchNorm.commit)
             stats_out.add_(stats.to(stats_out.dtype))
         mean, var = mean.to(x.dtype), var.to(x.dtype)
@@ -144,14 +145,15 @@ def _check_count(n: float) -> None:
 
 def update_running_stats(stats: torch.Tensor, running_mean: torch.Tensor,
                          running_var: torch.Tensor, momentum: float,
-                         count: Optional[float] = None) -> None:
+                         checked: bool = False) -> None:
     """Fold one batch's ``stats = [sum x (C), sum x^2 (C), count (1)]`` (float64, already
     reduced over the group) into the running statistics, as torch's BatchNorm does: momentum
-    average of the mean and of the unbiased variance. ``count``: ``stats[-1]`` when the caller
-    has it on the host (else it is read from ``stats``, a device sync on CUDA)."""
+    average of the mean and of the unbiased variance. ``checked``: the caller has made sure the
+    count is at least 2 (else it is read from ``stats``: a device sync on CUDA)."""
     c = running_mean.shape[0]
     n = stats[-1]
-    _check_count(float(n) if count is None else count)
+    if not checked:
+        _check_count(float(n))
     mean, var = _moments(stats, c)
     with torch.no_grad():
         running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))

@@ -350,7 +350,8 @@ def test_bad_input_raises_on_every_rank(comm):
 
 def test_batchnorm_counts_voxels_over_the_group_on_every_rank(comm):
     """One voxel on rank 0 and none elsewhere: fewer than 2 over the group, the same error on
-    every rank; one voxel on every rank of 2+: enough."""
+    every rank; one voxel on every rank of 2+, or 3 on rank 0 alone (which then does not read the
+    group's count back, while the others do): enough, on every rank."""
     from sparsepipe_hpc.nn.functional import batch_norm
 
     c = 3
@@ -360,3 +361,5 @@ def test_batchnorm_counts_voxels_over_the_group_on_every_rank(comm):
         batch_norm(x, *args, comm=comm)
     if comm.size > 1:
         assert batch_norm(torch.randn(1, c), *args, comm=comm).shape == (1, c)
+    n = 3 if comm.rank == 0 else 0
+    assert batch_norm(torch.randn(n, c), *args, comm=comm).shape == (n, c)
