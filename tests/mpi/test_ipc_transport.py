@@ -140,3 +140,35 @@ def test_tensors_on_another_device_type_are_refused(comm, make):
     tr.device.type = "cuda"  # the stand-in posing as a GPU: CPU tensors are then wrong
     with pytest.raises(TransportError, match="must be a contiguous cuda tensor; got one on cpu"):
         tr.start([(0, torch.zeros(2))], [], tag=0)
+
+
+def test_on_cuda_ring_of_many_requests_and_buffer_reuse(comm):
+    """The same protocol on a GPU (CudaDevice, CUDA IPC through CuPy; the ranks may share one
+    GPU): requests waited in reverse, several dtypes, no new buffers in steady state."""
+    import importlib.util
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None:
+        pytest.skip("no CUDA device or no CuPy: CUDA IPC runs on GPU machines only")
+    from halo.transport.streams import CudaDevice
+
+    torch.cuda.set_device(comm.rank % torch.cuda.device_count())
+    tr = IPCTransport(comm, CudaDevice())
+    right, left = ring(comm)
+    dtypes = [torch.float32, torch.float16, torch.int64, torch.bool]
+    sends = [(torch.arange(1000 * k + 1, dtype=torch.float64, device="cuda")
+              + 100 * comm.rank).to(dtypes[k % 4]) for k in range(8)]
+    recvs = [torch.empty_like(s) for s in sends]
+    reqs = [tr.start([(right, s)], [(left, r)], tag=6) for s, r in zip(sends, recvs)]
+    for req in reversed(reqs):
+        req.wait()
+    for k, r in enumerate(recvs):
+        want = (torch.arange(1000 * k + 1, dtype=torch.float64, device="cuda")
+                + 100 * left).to(dtypes[k % 4])
+        assert torch.equal(r, want), k  # torch.equal reads r after the compute stream's wait
+    made = tr.registered
+    for _ in range(3):
+        tr.start([(right, sends[1])], [(left, recvs[1])], tag=6).wait()
+    torch.cuda.synchronize()
+    assert tr.registered == made
+    comm.Barrier()
+    tr.close()
