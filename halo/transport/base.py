@@ -56,7 +56,8 @@ class Transport(ABC):
 
     @abstractmethod
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
-        """Post every receive, then every send; return at once with a :class:`Request`."""
+        """Post every receive, then every send; return with a :class:`Request` without waiting
+        for the transfers (IPC's waits for its send peers' matching ``start``, not the data)."""
 
     def progress(self) -> bool:
         """Hand on what this transport holds back (a staged send whose copy has finished);

@@ -2,7 +2,7 @@
 
     transport = IPCTransport(comm, CudaDevice())   # comm: ranks of ONE node (Split_type shared)
     req = transport.start([(peer, d_send)], [(peer, d_recv)], tag=3)
-    ...                                             # enqueue interior work: start did not wait
+    ...                                             # enqueue interior work meanwhile
     req.wait()                                      # the compute stream waits for the copy-out
 
 Protocol, per exchange and peer, with small host MPI control messages:
@@ -10,21 +10,28 @@ Protocol, per exchange and peer, with small host MPI control messages:
     receiver: takes a registered buffer from its pool per (peer, tag) (its own allocation, so its
               IPC handle covers exactly it; power-of-two sizes, reused once the copy out of it
               has run) and sends the sender its handle ("ready": the buffer may be written)
-    sender:   opens the handle (once per buffer) and copies its tensor into it on the
-              communication stream, after the compute stream's event; returns at once. It sends
-              "done" once that copy has run, seen by polling its event in every test, wait and
-              progress call, and at the latest (blocking on the event) in the request's wait
+    sender:   waits for "ready", opens the handle (once per buffer) and enqueues the copy of its
+              tensor into it on the communication stream, after the compute stream's event. It
+              sends "done" once that copy has run, seen by polling its event in every test, wait
+              and progress call, and at the latest (blocking on the event) in the request's wait
     receiver: on "done", copies the buffer into the receive tensor on its communication stream;
               ``wait`` makes the compute stream wait for that copy
 
 So ``start`` never makes the host wait for the device: the interior convolution is enqueued
 behind the copy, and the host waits (if at all) in ``wait``, where the staged transport waits for
 its device-to-host copy too. "done" tells the receiver the data has landed; no event crosses
-processes. A rank blocked on a peer's message keeps sending the "done"s whose copies have run (the
-peer may need one first), and "done"s go out in the order the exchanges were started.
+processes. Two limits (the second is the staged transport's too):
+
+- ``start`` meets each send peer's ``start`` of the same exchange (it needs that peer's "ready"):
+  start an exchange's sends and receives in one call, in the same order on every rank (as the
+  halo exchanges and plans do). A send-only start followed by a receive-only one on both ranks
+  would wait for each other.
+- A rank with "done"s held back hands them on only inside this transport's calls (every wait
+  and ``_ready_from`` keeps doing so while it waits): wait for a request before blocking in
+  other MPI calls a peer can only reach after that request (as the staged transport's sends).
 
 Where the buffers live is the ``memory``: :class:`CudaIPCMemory` (``cudaMalloc`` and IPC handles
-through CuPy, imported on construction), or :class:`SimIPCMemory`, POSIX shared memory, for the
+through CuPy, imported on construction), or :class:`SimIPCMemory`, files in ``/dev/shm``, for the
 CPU stand-in device (:class:`~halo.transport.streams.SimDevice`): the same protocol between the
 processes of an ``mpirun`` on a CPU (tests/mpi/test_ipc_transport.py).
 """
@@ -41,6 +48,7 @@ from halo.transport.streams import Device, Event
 __all__ = ["IPCTransport", "IPCMemory", "CudaIPCMemory", "SimIPCMemory"]
 
 _CONTROL_TAG_BASE = 1 << 20  # control messages live above the data tags
+PREFIX = "sparsepipe-ipc-"  # SimIPCMemory's files: /dev/shm/sparsepipe-ipc-<pid>-<n>
 
 
 class IPCMemory(Protocol):
@@ -52,28 +60,35 @@ class IPCMemory(Protocol):
     def open(self, handle: bytes, nbytes: int) -> torch.Tensor:
         """A peer's buffer of ``nbytes`` as uint8 [nbytes] (call once per handle)."""
 
-    def close(self) -> None:
-        """Release every buffer made or opened."""
+    def close_opened(self) -> None:
+        """Unmap the peers' buffers opened so far."""
+
+    def free_own(self) -> None:
+        """Free our own buffers (once every peer has unmapped them)."""
 
 
 class CudaIPCMemory:
-    """``cudaMalloc``'d buffers and their CUDA IPC handles, through CuPy, as torch tensors (zero
-    copy, through ``__cuda_array_interface__``). Unverified on a GPU since the move to tensors."""
+    """``cudaMalloc``'d buffers and their CUDA IPC handles, through CuPy, as torch tensors on the
+    same memory (``__cuda_array_interface__``; a copy instead would be an error, not a silent
+    stale buffer). A peer's buffer is a tensor on the GPU that holds it."""
 
     def __init__(self, device: torch.device) -> None:
         import cupy  # on use only
 
-        self._cp, self.device = cupy, torch.device(device)
-        self._index = torch.cuda.current_device() if self.device.index is None \
-            else self.device.index
+        self._cp = cupy
+        device = torch.device(device)
+        self._index = torch.cuda.current_device() if device.index is None else device.index
         self._own: list[int] = []
         self._opened: list[int] = []
 
     def _tensor(self, ptr: int, nbytes: int) -> torch.Tensor:
         cp = self._cp
-        mem = cp.cuda.UnownedMemory(ptr, nbytes, self, self._index)
-        arr = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
-        return torch.as_tensor(arr, device=torch.device("cuda", self._index))
+        mem = cp.cuda.UnownedMemory(ptr, nbytes, self)  # its device from the pointer
+        t = torch.as_tensor(cp.ndarray((nbytes,), dtype=cp.uint8,
+                                       memptr=cp.cuda.MemoryPointer(mem, 0)))
+        if t.data_ptr() != ptr:
+            raise RuntimeError("CudaIPCMemory: torch copied an IPC buffer instead of viewing it")
+        return t
 
     def alloc(self, nbytes: int) -> tuple[torch.Tensor, bytes]:
         rt = self._cp.cuda.runtime
@@ -89,53 +104,59 @@ class CudaIPCMemory:
         self._opened.append(ptr)
         return self._tensor(ptr, nbytes)
 
-    def close(self) -> None:
+    def close_opened(self) -> None:
         rt = self._cp.cuda.runtime
         with self._cp.cuda.Device(self._index):
-            rt.deviceSynchronize()  # no copy may still use them
+            rt.deviceSynchronize()  # no copy of ours may still write into them
             for ptr in self._opened:
                 rt.ipcCloseMemHandle(ptr)
+        self._opened = []
+
+    def free_own(self) -> None:
+        # cudaFree of an exported buffer before every importer closed it is undefined behaviour:
+        # the caller frees only after all peers' close_opened (IPCTransport.close's barrier).
+        with self._cp.cuda.Device(self._index):
             for ptr in self._own:
-                rt.free(ptr)
-        self._own, self._opened = [], []
+                self._cp.cuda.runtime.free(ptr)
+        self._own = []
 
 
 class SimIPCMemory:
-    """POSIX shared memory standing in for CUDA IPC on the CPU (with
-    :class:`~halo.transport.streams.SimDevice`): a handle is a segment's name."""
+    """Files in ``/dev/shm`` standing in for CUDA IPC on the CPU (with
+    :class:`~halo.transport.streams.SimDevice`): a handle is a file's path, and each tensor maps
+    the file itself (its storage owns the mapping, so a view outlives ``close`` safely)."""
 
-    def __init__(self) -> None:
-        self._segments: list[Any] = []
-        self._own: list[Any] = []
+    _made = 0
+
+    def __init__(self, folder: str = "/dev/shm") -> None:
+        self.folder = folder
+        self._own: list[str] = []
 
     def alloc(self, nbytes: int) -> tuple[torch.Tensor, bytes]:
-        from multiprocessing import shared_memory
+        import os
 
-        shm = shared_memory.SharedMemory(create=True, size=nbytes)
-        self._segments.append(shm)
-        self._own.append(shm)
-        return torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes), shm.name.encode()
+        SimIPCMemory._made += 1
+        path = os.path.join(self.folder, f"{PREFIX}{os.getpid()}-{SimIPCMemory._made}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._own.append(path)
+        return self.open(path.encode(), nbytes), path.encode()
 
     def open(self, handle: bytes, nbytes: int) -> torch.Tensor:
-        from multiprocessing import resource_tracker, shared_memory
+        return torch.from_file(handle.decode(), shared=True, size=nbytes, dtype=torch.uint8)
 
-        shm = shared_memory.SharedMemory(name=handle.decode())
-        # Attaching registers the segment with this process's tracker too, which would unlink it
-        # at exit under its owner: the owner alone removes it.
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        self._segments.append(shm)
-        return torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
+    def close_opened(self) -> None:
+        pass  # the mappings go with their tensors
 
-    def close(self) -> None:
-        """Unmap every segment, and remove our own (the transport's views must be gone)."""
-        for shm in self._segments:
-            try:
-                shm.close()
-            except BufferError:  # a tensor still views it: unmapped at exit instead
-                pass
-        for shm in self._own:
-            shm.unlink()
-        self._segments, self._own = [], []
+    def free_own(self) -> None:
+        import os
+
+        for path in self._own:
+            os.unlink(path)  # mappings stay valid; the name goes
+        self._own = []
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -188,7 +209,9 @@ class _IPCRequest(Request):
         if self._sent is not None:
             o._tell_done(upto=self._sent)  # the host waits for our own copies here, if at all
         while not self._arrived():
-            o.progress()
+            if not o.progress():  # nothing of ours held back: block in MPI instead of spinning
+                for r in self._control:
+                    r.Wait()
         self._finish()
 
     def _finish(self) -> None:
@@ -240,10 +263,13 @@ class IPCTransport(Transport):
         return sum(len(pool) for pool in self._buffers.values())
 
     def close(self) -> None:
-        """Release every buffer; after every request has completed, on every rank (a peer may
-        still write into ours until then)."""
+        """Release every buffer. Collective over the communicator, after every request has
+        completed on every rank: each rank unmaps its peers' buffers, and frees its own only
+        once every peer has unmapped them."""
         self._buffers, self._opened = {}, {}
-        self.memory.close()
+        self.memory.close_opened()
+        self.comm.Barrier()
+        self.memory.free_own()
 
     def progress(self) -> bool:
         self._tell_done(upto=None)
@@ -269,11 +295,11 @@ class IPCTransport(Transport):
         """The (handle, capacity) of the buffer ``peer`` offers, sending our own finished "done"s
         meanwhile: the peer may be waiting for one before it starts the exchange that offers it."""
         req = self.comm.irecv(source=peer, tag=tag)
-        while True:
+        while self.progress():
             arrived, msg = req.test()
             if arrived:
                 return msg
-            self.progress()
+        return req.wait()  # nothing of ours held back: block in MPI instead of spinning
 
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
         if not sends and not recvs:

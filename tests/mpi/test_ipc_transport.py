@@ -26,9 +26,19 @@ def make(comm):
         return made[-1]
 
     yield build
-    comm.Barrier()
     for tr in made:
-        tr.close()
+        tr.close()  # collective
+    assert not leftover_files(), "shared-memory files left behind"
+
+
+def leftover_files() -> list[str]:
+    """This process's SimIPCMemory files still in /dev/shm."""
+    import glob
+    import os
+
+    from halo.transport.ipc import PREFIX
+
+    return glob.glob(f"/dev/shm/{PREFIX}{os.getpid()}-*")
 
 
 def ring(comm):
@@ -111,6 +121,29 @@ def test_many_requests_any_completion_order_and_buffer_reuse(comm, make, lag):
     assert tr.registered == made
 
 
+def test_a_buffer_is_not_offered_again_before_its_copy_out_ran(comm, make):
+    """A receiver whose copy out of a buffer is still queued must offer a new one for the next
+    exchange: the sender would overwrite data not yet copied out."""
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    tr = make()
+    if comm.rank == 0:
+        for v in (1.0, 2.0):
+            tr.start([(1, torch.full((8,), v))], [], tag=7).wait()
+    elif comm.rank == 1:
+        first, second = torch.zeros(8), torch.zeros(8)
+        req = tr.start([], [(0, first)], tag=7)
+        tr.stream.hold()  # the copy out of the first buffer is enqueued, not run
+        req.wait()
+        assert tr.registered == 1
+        req = tr.start([], [(0, second)], tag=7)
+        assert tr.registered == 2, "the first buffer was offered again before its copy out ran"
+        tr.stream.release()
+        req.wait()
+        tr.device.compute.record().synchronize()
+        assert first.eq(1.0).all() and second.eq(2.0).all()
+
+
 def test_done_is_handed_on_while_waiting_for_another_message(comm, make):
     """Rank 0 sends on tag 1, then waits for what rank 1 sends on tag 2 - which rank 1 sends only
     after its receive on tag 1 has completed. So rank 0 must send tag 1's "done" while blocked
@@ -170,5 +203,4 @@ def test_on_cuda_ring_of_many_requests_and_buffer_reuse(comm):
         tr.start([(right, sends[1])], [(left, recvs[1])], tag=6).wait()
     torch.cuda.synchronize()
     assert tr.registered == made
-    comm.Barrier()
-    tr.close()
+    tr.close()  # collective

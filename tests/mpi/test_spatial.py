@@ -147,13 +147,23 @@ def staged_on_stand_in(comm):
     return StagedTransport(MPITransport(comm), SimDevice())
 
 
-def ipc_on_stand_in(comm):
-    """The IPC device transport, its streams on the CPU stand-in device and its registered
-    buffers in shared memory (a lag, so "done"s are sent while the ranks wait on others)."""
-    return IPCTransport(comm, SimDevice(lag=2))
+class IPCOnStandIn:
+    """Makes IPC device transports, their streams on the CPU stand-in device and their registered
+    buffers in shared memory, and keeps them to close. The lag defers every "done" past its
+    ``start`` (a lag of 2 sent them all in ``start``; more than 5 outruns ``build_plan``, which
+    reads received counts without synchronizing the stand-in, as ``.tolist()`` does on CUDA)."""
 
+    def __init__(self) -> None:
+        self.made: list[IPCTransport] = []
 
-STAND_IN_TRANSPORTS = {"staged": staged_on_stand_in, "ipc": ipc_on_stand_in}
+    def __call__(self, comm):
+        self.made.append(IPCTransport(comm, SimDevice(lag=3)))
+        return self.made[-1]
+
+    def close(self) -> None:
+        for tr in self.made:
+            tr.close()  # collective over the transport's group
+
 
 
 class CountingReducers:
@@ -183,8 +193,11 @@ def test_device_transport_equals_serial(comm, model, kind, transport):
     x = make_cloud(3, kind)
     for grid in grids_for(comm):
         reducers = CountingReducers()
-        run_pair(comm, grid, "balanced", net, x, align, transport=STAND_IN_TRANSPORTS[transport],
+        make = IPCOnStandIn() if transport == "ipc" else staged_on_stand_in
+        run_pair(comm, grid, "balanced", net, x, align, transport=make,
                  reducer=reducers, bucketed=True)
+        if isinstance(make, IPCOnStandIn):
+            make.close()
         if comm.size > 1:  # statistics / pooling (spatial) group and the gradient buckets
             assert sum(r.pool.allocated for r in reducers.made) > 0, "no reduction staged"
 
