@@ -62,7 +62,9 @@ def test_start_returns_before_the_producer_ran(comm, make):
     assert seen and seen[0].eq(float(left)).all()
 
 
-def test_consumer_waits_for_the_copy_out(comm, make):
+def test_copy_out_runs_after_earlier_readers_and_before_later_ones(comm, make):
+    """The copy out overwrites the receive tensor: it runs after the compute stream's earlier
+    work, which may still read the old contents, and work enqueued after ``wait`` reads the new."""
     if comm.size < 2:
         pytest.skip("needs a peer")
     tr = make()
@@ -71,32 +73,15 @@ def test_consumer_waits_for_the_copy_out(comm, make):
     elif comm.rank == 1:
         recv = torch.full((5,), -1.0)
         seen: list[torch.Tensor] = []
-        req = tr.start([], [(0, recv)], tag=4)
-        tr.stream.hold()  # a slow communication stream: the copy out is enqueued, not run
-        req.wait()
-        tr.device.compute.launch(lambda: seen.append(recv.clone()))
-        assert not seen and recv.eq(-1).all(), "the consumer ran before the copy out"
-        tr.stream.release()
-        assert seen and seen[0].eq(7.0).all()
-
-
-def test_receive_waits_for_earlier_readers_on_the_compute_stream(comm, make):
-    """The copy out overwrites the receive tensor, so it runs after the compute stream's earlier
-    work, which may still read the old contents."""
-    if comm.size < 2:
-        pytest.skip("needs a peer")
-    tr = make()
-    if comm.rank == 0:
-        tr.start([(1, torch.full((5,), 7.0))], [], tag=4).wait()
-    elif comm.rank == 1:
-        recv = torch.full((5,), -1.0)
-        seen: list[torch.Tensor] = []
-        tr.device.compute.hold()
-        tr.device.compute.launch(lambda: seen.append(recv.clone()))  # an earlier reader
+        compute = tr.device.compute
+        compute.hold()
+        compute.launch(lambda: seen.append(recv.clone()))  # an earlier reader
         tr.start([], [(0, recv)], tag=4).wait()
+        compute.launch(lambda: seen.append(recv.clone()))  # a consumer
         assert recv.eq(-1).all(), "the copy out overwrote a tensor an earlier kernel reads"
-        tr.device.compute.release()
-        assert seen[0].eq(-1).all() and recv.eq(7.0).all()
+        compute.release()
+        assert len(seen) == 2 and seen[0].eq(-1).all(), "the earlier reader saw the new data"
+        assert seen[1].eq(7.0).all(), "the consumer ran before the copy out"
 
 
 @pytest.mark.parametrize("lag", [0, 3])
