@@ -36,7 +36,7 @@ import torch
 from halo.cuts import Cuts, CutError, balanced_cuts, uniform_cuts
 from halo.exchange import HaloExchange
 from halo.grid import ProcessGrid
-from halo.kmap import KernelMap, kernel_map, output_coords, strided_map
+from halo.kmap import KernelMap, kernel_map, strided_map
 from halo.plan import build_plan, halo_radius
 from halo.transport.base import Transport
 from halo.transport.mpi import MPITransport
@@ -204,8 +204,10 @@ class SpatialDomain:
         elif alone:
             out, local = strided_map(x.coords, *geometry, out_shape)
         else:  # every input an output of this box reads is in the box (stride-aligned cuts)
-            out = output_coords(x.coords, *geometry, out_shape)
-            out = out[self.owned_rows(out, stride=x.stride * s.stride)]
+            out, local = strided_map(x.coords, *geometry, out_shape)
+            mine = self.owned_rows(out, stride=x.stride * s.stride)
+            if not bool(mine.all()):  # (windows that tile aligned boxes keep every output)
+                out, local = out[mine], None
         # A submanifold layer's local part usually runs on the engine's own map (DistMaps.subm):
         # its explicit local pairs are then built only if an engine without one asks.
         native = s.subm and self.group.native_local
