@@ -91,8 +91,8 @@ class SparseTensor:
         """Raise if any coordinate lies outside [0, spatial_shape) or batch outside [0, batch_size)."""
         if self.num_voxels == 0:
             return
-        lo = self.coords.min(0).values.tolist()
-        hi = self.coords.max(0).values.tolist()
+        lo, hi = torch.aminmax(self.coords, dim=0)
+        lo, hi = torch.stack([lo, hi]).tolist()  # one read back, not two (each a device sync)
         limits = [self.batch_size, *self.spatial_shape]
         for axis, (a, b, n) in enumerate(zip(lo, hi, limits)):
             if a < 0 or b >= n:
