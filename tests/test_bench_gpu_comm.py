@@ -101,6 +101,8 @@ def test_overlap_and_ranks_sections_on_two_cpu_ranks(tmp_path):
     assert rk["ranks"] == 2 and rk["one_rank"]["median_s"] > 0 and rk["n_ranks"]["median_s"] > 0
     assert rk["ratio_n_over_1"] == pytest.approx(rk["n_ranks"]["median_s"] / rk["one_rank"]["median_s"])
     assert isinstance(rk["shared_device"], bool) and CAVEAT in rk["note"]
+    assert rk["launches"]["aten_ops"] > 100 and rk["launches"]["syncs"] == 0  # CPU: no CUDA calls
+    assert "blocking calls" in proc.stdout
     for i, path in enumerate(r["trace"]):
         assert path.endswith(f"gpu_comm_rank{i}.json")
         events = json.loads(open(path).read())["traceEvents"]

@@ -208,8 +208,11 @@ def ranks_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Mo
                   device: torch.device, factory: Factory, repeats: int, align: int,
                   reducer: Optional[Callable[[Any], Any]] = None) -> dict[str, Any]:
     """The distributed step on all n ranks (grid n x 1 x 1, overlap on) versus the plain U-Net
-    on rank 0 alone while the others sleep (collective over ``comm``)."""
+    on rank 0 alone while the others sleep (collective over ``comm``); and what one more
+    distributed step asked of rank 0's device and host (``launches``: kernels, blocking calls
+    and where they come from, :func:`~sparsepipe_hpc.bench.launches.step_launches`)."""
     from launch.env import available_cores
+    from sparsepipe_hpc.bench.launches import step_launches
     from sparsepipe_hpc.bench.spatial import step_fn
     from sparsepipe_hpc.parallel.context import ParallelContext
     from sparsepipe_hpc.parallel.layout import RankLayout
@@ -218,13 +221,15 @@ def ranks_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Mo
     ctx = ParallelContext(comm, RankLayout(1, 1, (n, 1, 1)), overlap=True, transport=factory,
                           reducer=reducer)
     one = step_fn(make_net(), x) if comm.Get_rank() == 0 else (lambda: None)
-    t = time_side_by_side(comm, {"one_rank": (one, True),
-                                 f"{n}_ranks": (step_fn(make_net(), x, ctx, align), False)},
+    dist = step_fn(make_net(), x, ctx, align)
+    t = time_side_by_side(comm, {"one_rank": (one, True), f"{n}_ranks": (dist, False)},
                           device, repeats)
     shared, note = ranks_note(device.type, n, ranks_per_device(comm, device), available_cores())
+    comm.Barrier()
+    launches = step_launches(dist, device)  # every rank profiles its part of one more step
     return {"one_rank": t["one_rank"], "n_ranks": t[f"{n}_ranks"], "ranks": n,
             "ratio_n_over_1": t[f"{n}_ranks"]["median_s"] / t["one_rank"]["median_s"],
-            "shared_device": shared, "note": note}
+            "shared_device": shared, "note": note, "launches": launches}
 
 
 def write_traces(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Module],

@@ -17,7 +17,9 @@ Sections (``--sections``, default all):
            (T_off(d) - T_off(0)). Target on a GPU: >= 0.8. :mod:`._gpu_comm_steps` says how the
            delay acts on a device transport.
   ranks    the distributed step on all n ranks versus the plain U-Net on one rank; with the
-           ranks sharing one GPU the ratio is about cost, not speed-up (the JSON says which).
+           ranks sharing one GPU the ratio is about cost, not speed-up (the JSON says which);
+           and one more distributed step's kernels, blocking calls and where they come from,
+           on rank 0 (``launches``, as ``bench gpu`` counts them).
 
 ``--trace DIR`` adds a torch.profiler Chrome trace of a few overlapped steps per rank.
 ``--transport`` picks the halo transport of overlap/ranks (default staged on CUDA, mpi on CPU).
@@ -200,6 +202,10 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
         say(f"ranks: 1 rank {rk['one_rank']['median_s'] * 1e3:.1f} ms, {n} ranks "
             f"{rk['n_ranks']['median_s'] * 1e3:.1f} ms, ratio {rk['ratio_n_over_1']:.2f}: "
             f"{rk['note']}")
+        lc = rk["launches"]
+        say(f"ranks: one {n}-rank step on rank 0: {lc['kernels']} kernels, {lc['syncs']} "
+            f"blocking calls, {lc['torch_host_syncs']} torch syncs; most frequent: "
+            + ", ".join(f"{k} x{v}" for k, v in list(lc["sync_sites"].items())[:6]))
         save()
     if args.trace:
         path = steps.write_traces(comm, x, unet, device, factory(0.0), args.trace_steps, align,
