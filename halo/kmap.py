@@ -303,17 +303,26 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     keys = torch.where(ok, coord_keys(torch.cat([c[:, :1], o], 1)), torch.full_like(k, -1))
     k = torch.where(ok, k, torch.full_like(k, n_k))
     counts = value_counts(k, n_k + 1).cpu()  # host sync 1
-    uniq, row = torch.unique(keys, return_inverse=True)  # host sync 2: the outputs' count
     n_pairs = len(c) - int(counts[n_k])
     dropped = 1 if n_pairs < len(c) else 0  # the slot of key -1
-    m = len(uniq) - dropped
-    row = row - dropped  # -1 for the dropped inputs, whose offset n_k sorts them last anyway
-    # An output has at most one input per offset: (offset, output row) orders the pairs fully,
-    # and each input is one pair, so the ordering permutation is the pairs' input rows.
-    in_rows = torch.argsort(k * (m + 1) + row)[:n_pairs]
+    # Inputs sorted by their output's key are grouped by output, in output order: a new key
+    # starts a new output row.
+    sorted_keys, by_output = torch.sort(keys)
+    first = torch.ones_like(sorted_keys, dtype=torch.bool)
+    first[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    uniq = sorted_keys[first]  # host sync 2: the outputs' count
+    row = torch.cumsum(first, 0) - (1 + dropped)  # -1 for the dropped inputs (key -1, first)
+    # An output has at most one input per offset, so a stable sort by offset of the inputs in
+    # output order gives the pairs by (offset, output row); the dropped ones (offset n_k) last.
+    # Its keys fit a byte (for strides up to 6): a radix sort of one pass, where sorting
+    # (offset, row) as int64 took eight.
+    small = torch.uint8 if n_k < 255 else torch.int32
+    by_offset = torch.sort(k[by_output].to(small), stable=True).indices[:n_pairs]
+    in_rows = by_output[by_offset]
     ptr = torch.zeros(n_k + 1, dtype=torch.int64)
     ptr[1:] = torch.cumsum(counts[:n_k], 0)
-    return decode_keys(uniq[dropped:]), KernelMap(in_rows, row[in_rows], ptr, len(c), m)
+    return decode_keys(uniq[dropped:]), KernelMap(in_rows, row[by_offset], ptr, len(c),
+                                                  len(uniq) - dropped)
 
 
 def key_batch(keys: torch.Tensor) -> torch.Tensor:
