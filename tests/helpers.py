@@ -69,3 +69,47 @@ class FillsUp:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
+
+
+class HostReads:
+    """Counts the torch ops that read device data back to the host (on CUDA each waits for the
+    device): ``.item()``/``int()``, ``torch.equal``, ``nonzero`` and boolean indexing. On the
+    CPU they cost nothing, so a test counts them instead of timing them.
+
+        with HostReads() as reads:
+            layer(x)
+        assert reads.count == 0, reads.ops
+    """
+
+    SYNCING = ("_local_scalar_dense", "equal", "is_nonzero", "nonzero", "masked_select",
+               "_unique2", "unique_consecutive", "unique_dim")
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func._schema.name.split("::")[-1]
+                bool_index = name.startswith("index") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                    for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple))
+                              else ()))
+                if name in HostReads.SYNCING or bool_index:
+                    reads.ops.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.ops: list[str] = []
+        self._mode = _Mode()
+
+    @property
+    def count(self) -> int:
+        return len(self.ops)
+
+    def __enter__(self) -> "HostReads":
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)

@@ -8,7 +8,7 @@ import torch
 
 import halo
 import halo.transport.delay as delay_module
-from helpers import FakeClock
+from helpers import FakeClock, HostReads
 from halo.kmap import coord_keys
 from halo.synth import boundary_cloud, clustered_cloud, with_batch
 
@@ -52,6 +52,22 @@ def test_exchange_values(comm, rng, dims):
         got = ex.start(feats).wait()
         assert got.dtype == dtype and got.shape == (plan.num_halo, 5)
         assert torch.equal(got, field(plan.halo_coords, 5).mul(100).to(dtype))
+
+
+@pytest.mark.parametrize("dims", GRIDS)
+def test_exchange_setup_reads_back_once(comm, rng, dims):
+    """Which send blocks are row ranges is read back once for all of them (each read waits for
+    the device on a GPU), and the ranges are found: a face of key-sorted rows is one."""
+    grid, cloud, mine, plan = setup(comm, rng, dims)
+    transport = halo.MPITransport(grid.comm)
+    with HostReads() as reads:
+        ex = halo.HaloExchange(plan, transport)
+    assert reads.count == 0, reads.ops  # one .tolist(), which is not a dispatched op
+    for rows, run in zip(plan.send_rows, ex._runs):
+        steps_of_one = len(rows) > 0 and bool((rows.diff() == 1).all())
+        assert (run is not None) == steps_of_one
+        if run is not None:
+            assert run == (int(rows[0]), int(rows[0]) + len(rows))
 
 
 @pytest.mark.parametrize("dims", GRIDS)

@@ -376,3 +376,22 @@ def test_batchnorm_counts_voxels_over_the_group_on_every_rank(comm):
         assert batch_norm(torch.randn(1, c), *args, comm=comm).shape == (1, c)
     n = 3 if comm.rank == 0 else 0
     assert batch_norm(torch.randn(n, c), *args, comm=comm).shape == (n, c)
+
+
+def test_batchnorm_reads_nothing_back_where_the_rank_has_voxels(comm):
+    """The group's count is read back (a device sync on CUDA) only by a rank with fewer than 2
+    voxels; with 2 or more, a BatchNorm layer's forward and backward read nothing back."""
+    from helpers import HostReads
+    from sparsepipe_hpc.nn.functional import batch_norm
+
+    c = 3
+    args = (torch.ones(c, requires_grad=True), torch.zeros(c), torch.zeros(c), torch.ones(c),
+            True, 0.1, 1e-5)
+    x = torch.randn(5, c, requires_grad=True)
+    with HostReads() as reads:
+        batch_norm(x, *args, comm=comm).square().sum().backward()
+    assert reads.count == 0, reads.ops
+    if comm.size > 1:  # one voxel here, 2+ over the group: this rank reads the count
+        with HostReads() as reads:
+            batch_norm(x[:1], *args, comm=comm)
+        assert reads.count == 1, reads.ops
