@@ -201,12 +201,10 @@ class SpatialDomain:
             out = x.coords
         elif plan is not None:
             out = plan.owned_outputs(x.coords, *geometry, out_shape)
-        elif alone:
+        else:  # every input an output of this box reads is in the box (one box, aligned cuts)
             out, local = strided_map(x.coords, *geometry, out_shape)
-        else:  # every input an output of this box reads is in the box (stride-aligned cuts)
-            out, local = strided_map(x.coords, *geometry, out_shape)
-            mine = self.owned_rows(out, stride=x.stride * s.stride)
-            if not bool(mine.all()):  # (windows that tile aligned boxes keep every output)
+            mine = None if alone else self.owned_rows(out, stride=x.stride * s.stride)
+            if mine is not None and not bool(mine.all()):  # (tiling windows keep them all)
                 out, local = out[mine], None
         # A submanifold layer's local part usually runs on the engine's own map (DistMaps.subm):
         # its explicit local pairs are then built only if an engine without one asks.
