@@ -149,10 +149,10 @@ class Cuts:
             raise CutError(f"locate: xyz has shape {tuple(xyz.shape)}; expected [N, 3] (x, y, z)"
                            f" - pass coords[:, 1:] for (batch, x, y, z) rows")
         inner = [self.axis_bounds(a, stride)[1:-1] for a in range(3)]
-        if isinstance(xyz, torch.Tensor):
-            return torch.stack([torch.searchsorted(torch.from_numpy(inner[a]).to(xyz.device),
-                                                   xyz[:, a].long().contiguous(), right=True)
-                                for a in range(3)], 1)
+        if isinstance(xyz, torch.Tensor):  # bounds copied without waiting for the device
+            bounds = [torch.from_numpy(b).to(xyz.device, non_blocking=True) for b in inner]
+            return torch.stack([torch.searchsorted(bounds[a], xyz[:, a].long().contiguous(),
+                                                   right=True) for a in range(3)], 1)
         x = np.asarray(xyz, np.int64)
         return np.stack([np.searchsorted(inner[a], x[:, a], side="right") for a in range(3)],
                         1).astype(np.int64).reshape(-1, 3)

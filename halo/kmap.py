@@ -117,8 +117,11 @@ class KernelMap:
     def transpose(self) -> "KernelMap":
         """The map of the transposed (inverse) convolution: inputs and outputs swap roles."""
         if self._transposed is None:  # kept, so its spconv layout is built once too
-            self._transposed = KernelMap(self.out_rows, self.in_rows, self.ptr, self.n_out,
-                                         self.n_in)
+            t = KernelMap(self.out_rows, self.in_rows, self.ptr, self.n_out, self.n_in)
+            if self._spconv is not None:  # the same table, its two rows swapped
+                pairs, counts = self._spconv
+                t._spconv = (pairs.flip(0), counts)
+            self._transposed = t
         return self._transposed
 
     def select(self, keep: torch.Tensor, n_in: Optional[int] = None,
@@ -128,7 +131,7 @@ class KernelMap:
         Per-offset counts come from one segment sum and one copy to the host (no sync per offset).
         """
         dev = keep.device
-        sizes = (self.ptr[1:] - self.ptr[:-1]).to(dev)
+        sizes = _on(self.ptr, dev).diff()
         offset_of_pair = torch.repeat_interleave(torch.arange(self.num_offsets, device=dev), sizes,
                                                  output_size=self.num_pairs)  # no device sync
         counts = torch.zeros(self.num_offsets, dtype=torch.int64, device=dev)
@@ -148,9 +151,10 @@ class KernelMap:
             width = max(int(counts.max()) if len(counts) else 0, 1)
             dev = self.in_rows.device
             pairs = torch.full((2, self.num_offsets, width), -1, dtype=torch.int32, device=dev)
-            k = torch.repeat_interleave(torch.arange(self.num_offsets, device=dev),
-                                        counts.long().to(dev), output_size=self.num_pairs)
-            pos = torch.arange(self.num_pairs, device=dev) - self.ptr.to(dev)[k]
+            ptr = _on(self.ptr, dev)  # a blocking host-to-device copy would wait for the device
+            k = torch.repeat_interleave(torch.arange(self.num_offsets, device=dev), ptr.diff(),
+                                        output_size=self.num_pairs)
+            pos = torch.arange(self.num_pairs, device=dev) - ptr[k]
             pairs[0, k, pos] = self.in_rows.int()
             pairs[1, k, pos] = self.out_rows.int()
             self._spconv = (pairs, counts.contiguous())
@@ -180,8 +184,8 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
     base = out[:, 1:] * s - p
     n_out, n_k = len(out), len(offsets)
     # On a GPU, every offset's queries at once ([k, N] keys, offset-major so hits come out CSR by
-    # offset), in groups bounding the work arrays: the host syncs are one per group (the boolean
-    # selection's size) and the per-offset counts at the end, not one per offset. On the CPU,
+    # offset), in groups bounding the work arrays: one host sync per group (its per-offset hit
+    # counts), not one per offset. On the CPU,
     # where a sync costs nothing, one offset at a time measured 1.5x faster (cache-sized arrays).
     group = offsets_per_pass or (max(1, _QUERY_BLOCK // max(n_out, 1)) if out.is_cuda else 1)
     in_rows, out_rows, counts = [], [], []
@@ -190,14 +194,17 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
         q = base[None] + (off * d)[:, None]                           # [g, N, 3]
         qk = coord_keys(torch.cat([out[None, :, :1].expand(len(off), -1, -1), q], 2)
                         .reshape(-1, 4)).view(len(off), n_out)
-        rows = lookup(sorted_keys, order, qk.reshape(-1)).view(len(off), n_out)
+        rows = lookup(sorted_keys, order, qk.reshape(-1))
         hit = rows >= 0
-        counts.append(hit.sum(1))
-        in_rows.append(rows[hit])
-        out_rows.append(torch.arange(n_out, device=out.device).expand(len(off), -1)[hit])
+        n_hit = hit.view(len(off), n_out).sum(1).cpu()  # the group's one host sync
+        counts.append(n_hit)
+        # Hits in (offset, output) order; their count known, finding them needs no more syncs.
+        flat = torch.nonzero_static(hit, size=int(n_hit.sum())).squeeze(1)
+        in_rows.append(rows[flat])
+        out_rows.append(flat % n_out)
     ptr = torch.zeros(n_k + 1, dtype=torch.int64)
     if counts:
-        ptr[1:] = torch.cumsum(torch.cat(counts).cpu(), 0)
+        ptr[1:] = torch.cumsum(torch.cat(counts), 0)
     empty = torch.zeros(0, dtype=torch.int64, device=out.device)
     return KernelMap(torch.cat(in_rows) if in_rows else empty,
                      torch.cat(out_rows) if out_rows else empty, ptr, len(in_coords),

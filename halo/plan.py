@@ -123,8 +123,9 @@ def select_sends(coords: torch.Tensor, boxes: Sequence[tuple[np.ndarray, np.ndar
     keys = coord_keys(coords)
     order = torch.sort(keys)[1]  # rows by key, so every selection comes out sorted
     xyz = coords[order, 1:].long()
-    inside = [((xyz >= torch.as_tensor(lo - radius, device=xyz.device))
-               & (xyz < torch.as_tensor(hi + radius, device=xyz.device))).all(1)
+    # Bounds copied without blocking: a blocking host-to-device copy waits for the device.
+    inside = [((xyz >= torch.as_tensor(lo - radius).to(xyz.device, non_blocking=True))
+               & (xyz < torch.as_tensor(hi + radius).to(xyz.device, non_blocking=True))).all(1)
               for lo, hi in boxes]
     return _rows_inside(order, inside, batched=xyz.is_cuda)
 
@@ -282,7 +283,7 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
     rows = select_sends(coords, boxes, radius) if radius > 0 else \
         [torch.zeros(0, dtype=torch.int64, device=dev) for _ in nbrs]
 
-    send_n = [torch.tensor([len(r)], dtype=torch.int64, device=dev) for r in rows]
+    send_n = [torch.tensor([len(r)]).to(dev, non_blocking=True) for r in rows]
     recv_n = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in nbrs]
     transport.start(list(zip(nbrs, send_n)), list(zip(nbrs, recv_n)), tag).wait()
     counts = torch.cat(recv_n).tolist() if recv_n else []  # one host copy, not one per neighbour

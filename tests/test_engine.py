@@ -187,6 +187,21 @@ def test_spconv_gets_its_pair_counts_on_the_host(gen):
     assert torch.equal(counts, km.spconv_pairs()[1]) and counts.dtype == torch.int32
 
 
+def test_a_transposed_map_takes_its_spconv_layout_from_the_map(gen):
+    """A U-Net's inverse layer transposes its down layer's map after that layer has run: its
+    spconv layout is the same table with the rows swapped, equal to one built afresh."""
+    from halo.kmap import KernelMap
+
+    x = random_cloud(gen, 400)
+    km = strided_map(x.coords, 2, 2, 0, 1, (4, 4, 4))[1]
+    km.spconv_pairs()
+    pairs, counts = km.transpose().spconv_pairs()
+    fresh, fresh_counts = KernelMap(km.out_rows, km.in_rows, km.ptr, km.n_out,
+                                    km.n_in).spconv_pairs()
+    assert torch.equal(pairs, fresh) and torch.equal(counts, fresh_counts)
+    assert pairs.is_contiguous() and pairs.dtype == torch.int32
+
+
 def test_spconv_subm_in_pieces_when_only_the_first_piece_has_pairs():
     """Voxels that meet only 2 apart along x (offsets (-2, 0, 0), in the first quarter of a
     5x5x5 kernel, and its mirror): the second piece has no pair at all, and spconv's CUDA kernels

@@ -159,7 +159,7 @@ class SpatialDomain:
     def owned_rows(self, coords: torch.Tensor, stride: int = 1) -> torch.Tensor:
         """bool [N]: rows of ``coords [N, 4]`` (at ``stride``) inside this rank's box."""
         where = torch.as_tensor(self.cuts.locate(coords[:, 1:], stride=stride))
-        mine = torch.tensor(self.grid.coords, dtype=where.dtype, device=where.device)
+        mine = torch.tensor(self.grid.coords).to(where.device, non_blocking=True)  # no sync
         return (where == mine).all(1)
 
     # --- convolution -----------------------------------------------------------------------------
