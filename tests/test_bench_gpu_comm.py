@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from sparsepipe_hpc.bench._gpu_comm_steps import hidden_fraction, ranks_note
+from sparsepipe_hpc.bench._gpu_comm_steps import hidden_fraction, median_se, ranks_note
 from test_mpi import mpi_env, mpirun_command, run_bounded
 
 TINY = ["--device", "cpu", "--points", "20000", "--voxel-size", "0.12", "--width", "4",
@@ -27,6 +27,14 @@ def test_hidden_fraction_is_the_share_of_the_added_step_time_overlap_removes():
     assert hidden_fraction(1.0, 2.0, 1.0, 1.5) == pytest.approx(-1.0)  # overlap made it worse
     assert hidden_fraction(1.0, 1.1, 1.2, 1.2) is None  # the delay added nothing: no ratio
     assert hidden_fraction(1.0, 1.1, 1.2, 1.1) is None
+
+
+def test_median_se_pools_the_spread_of_every_variant_about_its_own_median():
+    """Two variants 1 s apart, each spread by +-0.1 s about its median: the pooled median absolute
+    deviation is 0.1 s, whatever the variants' own levels."""
+    se = median_se([[1.0, 0.9, 1.1, 1.0], [2.1, 1.9, 2.0, 2.0]])
+    assert se == pytest.approx(1.2533 * 1.4826 * 0.05 / 2)  # deviations 0,0,.1,.1 x2: median .05
+    assert median_se([[1.0, 1.0, 1.0]]) == 0.0
 
 
 def test_ranks_note_says_when_the_ratio_is_a_cost():
@@ -97,6 +105,8 @@ def test_overlap_and_ranks_sections_on_two_cpu_ranks(tmp_path):
                                                         - v["no_overlap_delay0ms"])
         assert isinstance(d["hidden_fraction"], float) and math.isfinite(d["hidden_fraction"])
         assert d["hidden_fraction"] == pytest.approx(1 - d["added_s_overlap"] / d["added_s_no_overlap"])
+        assert d["hidden_fraction_se"] == pytest.approx(2 * ov["median_step_se_s"]
+                                                        / d["added_s_no_overlap"])
     rk = r["ranks"]
     assert rk["ranks"] == 2 and rk["one_rank"]["median_s"] > 0 and rk["n_ranks"]["median_s"] > 0
     assert rk["ratio_n_over_1"] == pytest.approx(rk["n_ranks"]["median_s"] / rk["one_rank"]["median_s"])

@@ -36,8 +36,8 @@ import torch
 from halo.transport.base import Transport
 from sparsepipe_hpc.sparse import SparseTensor
 
-__all__ = ["halo_factory", "time_side_by_side", "hidden_fraction", "overlap_section",
-           "ranks_note", "ranks_section", "write_traces"]
+__all__ = ["halo_factory", "time_side_by_side", "hidden_fraction", "median_se",
+           "overlap_section", "ranks_note", "ranks_section", "write_traces"]
 
 Factory = Callable[[Any], Transport]
 
@@ -112,6 +112,15 @@ def hidden_fraction(on0: float, on_d: float, off0: float, off_d: float) -> Optio
     return 1.0 - (on_d - on0) / added_off
 
 
+def median_se(samples: list[list[float]]) -> float:
+    """Standard error of one variant's median step time (s), from the spread of every variant's
+    ``samples`` about its own median (pooled median absolute deviation, normal approximation:
+    sigma = 1.4826 MAD, SE = 1.2533 sigma / sqrt(n))."""
+    devs = [abs(t - statistics.median(ts)) for ts in samples for t in ts]
+    n = min(len(ts) for ts in samples)
+    return 1.2533 * 1.4826 * statistics.median(devs) / n ** 0.5
+
+
 def _key(overlap: bool, delay_s: float) -> str:
     return f"{'overlap' if overlap else 'no_overlap'}_delay{delay_s * 1e3:g}ms"
 
@@ -157,8 +166,10 @@ def overlap_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.
                                                             op=MPI.MAX),
                    "halo_exchanges_per_step": comm.allreduce(per_step, op=MPI.MAX)}
     on0, off0 = rows[_key(True, 0.0)], rows[_key(False, 0.0)]
+    se = median_se([r["all_s"] for r in rows.values()])
     out: dict[str, Any] = {
         "grid": [n, 1, 1], "variants": rows, "target_hidden_fraction": 0.8,
+        "median_step_se_s": se,
         "without_delay": {"saved_s": off0["median_s"] - on0["median_s"],
                           "hidden_fraction_of_wait": _wait_fraction(on0, off0)},
         "delays": []}
@@ -169,7 +180,10 @@ def overlap_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.
         row = {"delay_s": d, "injected_s_per_step": off["halo_exchanges_per_step"] * d,
                "added_s_no_overlap": off["median_s"] - off0["median_s"],
                "added_s_overlap": on["median_s"] - on0["median_s"],
-               "hidden_fraction": frac, "hidden_fraction_of_wait": _wait_fraction(on, off)}
+               "hidden_fraction": frac, "hidden_fraction_of_wait": _wait_fraction(on, off),
+               # The fraction combines four medians: its error is about 2 SE over the divisor.
+               "hidden_fraction_se": (2 * se / (off["median_s"] - off0["median_s"])
+                                      if frac is not None else None)}
         if frac is None:
             row["note"] = ("the injected delay did not lengthen the step without overlap (noise "
                            "is larger than it): pass a larger --delay-ms or more --repeats")

@@ -14,8 +14,10 @@ Sections (``--sections``, default all):
            on and off (``ParallelContext(overlap=...)``), without a delay and with each of
            ``--delay-ms`` injected per halo exchange (DelayedTransport over the chosen transport,
            halo tags only); per delay d, hidden fraction = 1 - (T_on(d) - T_on(0)) /
-           (T_off(d) - T_off(0)). Target on a GPU: >= 0.8. :mod:`._gpu_comm_steps` says how the
-           delay acts on a device transport.
+           (T_off(d) - T_off(0)), and its standard error from the spread of the step times
+           (``hidden_fraction_se``; on an H100 shared by 2 ranks the steps varied by +-50 ms,
+           so a 38 ms delay per step gave fractions of -1.4 to 2.2, each +-1). Target on a
+           GPU: >= 0.8. :mod:`._gpu_comm_steps` says how the delay acts on a device transport.
   ranks    the distributed step on all n ranks versus the plain U-Net on one rank; with the
            ranks sharing one GPU the ratio is about cost, not speed-up (the JSON says which);
            and one more distributed step's kernels, blocking calls and where they come from,
@@ -155,8 +157,10 @@ def _say_overlap(say: Callable[..., None], ov: dict[str, Any]) -> None:
         say(f"overlap delay {d['delay_s'] * 1e3:g} ms: {d['injected_s_per_step'] * 1e3:.1f} ms "
             f"injected per step, {d['added_s_no_overlap'] * 1e3:.1f} ms added without overlap, "
             f"{d['added_s_overlap'] * 1e3:.1f} ms with; hidden fraction "
-            + (f"{frac:.2f}" if frac is not None else f"n/a ({d['note']})")
-            + f" (target {ov['target_hidden_fraction']})")
+            + (f"{frac:.2f} +- {d['hidden_fraction_se']:.2f}" if frac is not None
+               else f"n/a ({d['note']})")
+            + f" (target {ov['target_hidden_fraction']}; a step's median is known to "
+            f"+- {ov['median_step_se_s'] * 1e3:.1f} ms)")
 
 
 def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.device,
