@@ -145,3 +145,38 @@ def test_launch_counts_tell_blocking_calls_and_torch_syncs_apart():
     assert n["runtime_calls"]["cudaLaunchKernel"] == 3 and n["runtime_calls"]["cudaFree"] == 2
     # blocking: the three Synchronize calls and the synchronous cudaMemcpy, not ...Async
     assert n["syncs"] == 4
+
+
+def test_launch_counts_name_where_each_top_kernel_was_launched():
+    """A profile with stacks puts Python frames (``path(line): function``) around the ops: a
+    kernel is put down to its op and the innermost frame in the project, and a frame whose
+    path starts with "cu" (cumm's) is no runtime call."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from sparsepipe_hpc.bench.launches import summarize
+
+    def ev(name, parent=None, kernels=(), device=DeviceType.CPU, us=0.0):
+        return SimpleNamespace(name=name, device_type=device, device_time_total=us,
+                               cpu_parent=parent, kernels=list(kernels))
+
+    def k(us):
+        return SimpleNamespace(name="gather_kernel", duration=us)
+
+    step = ev("/work/sparsepipe_hpc/bench/gpu.py(150): step")
+    backward = ev("/x/site-packages/sparsepipe_hpc/engine/spconv_engine.py(231): split_backward",
+                  parent=ev("torch/autograd/function.py(300): apply", parent=step))
+    cumm = ev("/x/.site/cumm/tensorview/__init__.py(12): from_torch", parent=backward)
+    events = [step, backward, cumm,
+              ev("aten::index", parent=backward, kernels=[k(4.0), k(2.0)]),
+              ev("aten::index", parent=ev("aten::gather", parent=step), kernels=[k(1.0)]),
+              ev("cudaStreamSynchronize", parent=cumm),
+              ev("gather_kernel", device=DeviceType.CUDA, us=7.0)]
+    n = summarize(events, [], top=1)
+    assert n["top_kernels"] == [{"name": "gather_kernel", "time_s": pytest.approx(7e-6), "from": {
+        "aten::index at sparsepipe_hpc/engine/spconv_engine.py:231": pytest.approx(6e-6),
+        "aten::index at sparsepipe_hpc/bench/gpu.py:150": pytest.approx(1e-6)}}]
+    assert n["runtime_calls"] == {"cudaStreamSynchronize": 1}
+    assert n["sync_sites"] == {
+        "cudaStreamSynchronize in cumm/tensorview/__init__.py(12): from_torch": 1}

@@ -16,6 +16,8 @@ for every network it times, so one device call shows both the ratio and where it
   torch_host_syncs  torch ops that synchronized (``torch.cuda.set_sync_debug_mode``: ``.item()``,
                     ``.cpu()``, ``nonzero``, ...); spconv's C++ syncs are only in ``syncs``
   aten_ops          torch ops dispatched, nested ones included (on a CPU the only count there is)
+  top_kernels       the kernels with the most GPU time, each with the ops and source lines that
+                    launched it (``from``: ``aten::index at halo/kmap.py:200``), the top three
   sync_sites        where they come from: each blocking call, ``cudaMalloc`` and ``cudaFree`` by
                     the op it ran in (``cudaFree in aten::empty``), and each torch sync by the
                     Python line that asked for it (``halo/kmap.py:217``); the most frequent ones
@@ -51,7 +53,8 @@ def step_launches(fn: Callable[[], Any], device: torch.device, top: int = 8) -> 
         torch.cuda.synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     mode = torch.cuda.get_sync_debug_mode() if cuda else 0
-    with warnings.catch_warnings(record=True) as caught, profile(activities=activities) as prof:
+    with warnings.catch_warnings(record=True) as caught, \
+            profile(activities=activities, with_stack=True) as prof:
         warnings.simplefilter("always")
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
@@ -74,35 +77,66 @@ def _short(path: str) -> str:
     return "/".join(parts[-2:])
 
 
+def _is_call(name: str) -> bool:
+    """A CUDA runtime or driver call (not a Python frame such as ``cumm/x.py(1): f``)."""
+    return name.startswith("cu") and "(" not in name
+
+
 def _caller(e: Any) -> str:
-    """The innermost op around a runtime call event (its ``cpu_parent`` chain), or '?'."""
+    """The innermost op or Python frame around a runtime call event (its ``cpu_parent``
+    chain), or '?'."""
     p = getattr(e, "cpu_parent", None)
-    while p is not None and p.name.startswith("cu"):
+    while p is not None and _is_call(p.name):
         p = getattr(p, "cpu_parent", None)
-    return "?" if p is None else p.name
+    if p is None:
+        return "?"
+    path, paren, rest = p.name.partition("(")
+    return _short(path) + paren + rest if paren else p.name
+
+
+def _launch_site(e: Any) -> str:
+    """The op that launched a kernel and the project's source line it was called from, e.g.
+    ``aten::index at sparsepipe_hpc/engine/spconv_engine.py:231``: the innermost of the Python
+    frames around ``e`` (events named ``path(line): function`` in a profile with stacks) that
+    lies in ``halo`` or ``sparsepipe_hpc``."""
+    p = getattr(e, "cpu_parent", None)
+    while p is not None:
+        path, paren, rest = p.name.partition("(")
+        if paren and _short(path).startswith(("halo/", "sparsepipe_hpc/")):
+            return f"{e.name} at {_short(path)}:{rest.partition(')')[0]}"
+        p = getattr(p, "cpu_parent", None)
+    return e.name
 
 
 def summarize(events: Any, warned: list[tuple[str, str]], top: int = 8) -> dict[str, Any]:
     """The counts of :func:`step_launches` from profiler ``events`` (each with ``name``,
-    ``device_type``, ``device_time_total`` in us and ``cpu_parent``) and the warnings raised
-    meanwhile, as (message, "file:line") pairs."""
+    ``device_type``, ``device_time_total`` in us and ``cpu_parent``; host ops with the
+    ``kernels`` they launched and their ``stack``) and the warnings raised meanwhile, as
+    (message, "file:line") pairs."""
     from torch.autograd import DeviceType
 
     kernels = [e for e in events if e.device_type == DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False)]  # GPU-side ranges are not work
     host = [e for e in events if e.device_type == DeviceType.CPU]
-    runtime = Counter(e.name for e in host if e.name.startswith("cu"))
+    calls = [e for e in host if _is_call(e.name)]
+    runtime = Counter(e.name for e in calls)
     by_kernel: Counter[str] = Counter()
     for e in kernels:
         by_kernel[e.name] += e.device_time_total
+    launched: dict[str, Counter[str]] = {}  # kernel -> where it was launched from, us
+    for e in host:
+        for k in getattr(e, "kernels", None) or ():
+            launched.setdefault(k.name, Counter())[_launch_site(e)] += k.duration
     synced = [site for msg, site in warned if "synchroniz" in msg]
-    sites = Counter(f"{e.name} in {_caller(e)}" for e in host if e.name.startswith("cu")
-                    and (_blocks(e.name) or e.name in ("cudaMalloc", "cudaFree")))
+    sites = Counter(f"{e.name} in {_caller(e)}" for e in calls
+                    if _blocks(e.name) or e.name in ("cudaMalloc", "cudaFree"))
     sites.update(f"torch sync at {site}" for site in synced)
     return {
         "kernels": len(kernels),
         "kernel_time_s": sum(by_kernel.values()) / 1e6,
-        "top_kernels": [{"name": name[:120], "time_s": us / 1e6}
+        "top_kernels": [{"name": name[:120], "time_s": us / 1e6,
+                         "from": {site: t / 1e6 for site, t in
+                                  launched.get(name, Counter()).most_common(3)}}
                         for name, us in by_kernel.most_common(top)],
         "runtime_calls": dict(runtime.most_common()),
         "syncs": sum(n for name, n in runtime.items() if _blocks(name)),
