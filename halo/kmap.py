@@ -28,6 +28,7 @@ __all__ = ["KernelMap", "kernel_map", "kernel_offsets", "output_coords", "stride
 
 _BITS = 18  # bits per spatial axis: coordinates in [-2**17, 2**17); batch index below 2**9
 _HALF = 1 << (_BITS - 1)
+_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
 _QUERY_BLOCK = 1 << 24  # kernel-map lookups per group of offsets (~0.5 GB of int64 work arrays)
 
 
@@ -199,7 +200,7 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
         n_hit = hit.view(len(off), n_out).sum(1).cpu()  # the group's one host sync
         counts.append(n_hit)
         # Hits in (offset, output) order; their count known, finding them needs no more syncs.
-        flat = torch.nonzero_static(hit, size=int(n_hit.sum())).squeeze(1)
+        flat = _true_at(hit, int(n_hit.sum()))
         in_rows.append(rows[flat])
         out_rows.append(flat % n_out)
     ptr = torch.zeros(n_k + 1, dtype=torch.int64)
@@ -209,6 +210,16 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
     return KernelMap(torch.cat(in_rows) if in_rows else empty,
                      torch.cat(out_rows) if out_rows else empty, ptr, len(in_coords),
                      len(out_coords))
+
+
+def _true_at(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """int64 [count]: where the 1-D ``mask`` is true, ``count`` being known, so without the device
+    sync of ``nonzero`` (``nonzero_static``: on CUDA since torch 2.6)."""
+    if count == 0:  # nonzero_static failed on empty CUDA inputs before torch 2.9
+        return torch.zeros(0, dtype=torch.int64, device=mask.device)
+    if mask.is_cuda and _TORCH < (2, 6):
+        return mask.nonzero().squeeze(1)
+    return torch.nonzero_static(mask, size=count).squeeze(1)
 
 
 def _one_output_per_input(kernel_size: int | Sequence[int], stride: int | Sequence[int],
