@@ -57,6 +57,12 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
     assert layer["pairs"] > layer["voxels"] > 0
     for net in ("project", "project_torch", "spconv", "torch_mm"):
         assert layer[net]["tflops"] > 0
+    strided = r["strided"]["fp32"]
+    assert strided["channels"] == [4, 8] and strided["voxels"] == r["scene"]["voxels"]
+    assert strided["project"]["median_s"] > 0 and strided["spconv"]["median_s"] > 0
+    assert strided["time_ratio_project_over_spconv"] > 0
+    assert "skipped" in r["strided"]["fp16"]["spconv"]
+    assert "fp32 strided 4->8->4 (map included): project" in proc.stdout
     for precision in ("fp32", "fp16"):
         bn = r["batchnorm"][precision]
         assert bn["voxels"] == r["scene"]["voxels"] and bn["channels"] == 4

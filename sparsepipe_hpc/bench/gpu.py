@@ -25,6 +25,9 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                shapes ([N, 27 C] x [27 C, C] and its two gradients); TFLOP/s of useful work
                (2 * pairs * C * C per GEMM pass, three passes); with ``--triton`` also
                spconv-triton's ``SubMConv3d``.
+  strided      a U-Net level's strided pair on the scene's voxels, forward + backward, its map
+               built each time: ``SparseConv3d`` k2s2 W -> 2W and ``SparseInverseConv3d`` back
+               (W = ``--width``), the project's against spconv's own (implicit GEMM on CUDA).
   batchnorm    one BatchNorm over the scene's voxels at ``--width`` channels, forward + backward:
                the project's on one rank (as the trainer runs it), the project's group form
                (what each rank of a spatial group runs, all-reduce aside: deferred statistics on
@@ -313,6 +316,59 @@ def _plain_layer(sp: Any, algo: Any, x: SparseTensor, c: int, feats: torch.Tenso
     return fn
 
 
+def _strided(x: SparseTensor, c: int, args: Any, device: torch.device,
+             dtype: Optional[torch.dtype]) -> dict[str, Any]:
+    """A U-Net level's way down and back: ``SparseConv3d`` k2s2 c -> 2c, then
+    ``SparseInverseConv3d`` 2c -> c onto the same voxels, forward + backward with their map built
+    each time (as a step does): the project's (default engine) against spconv's own layers."""
+    from sparsepipe_hpc.bench.spconv_unet import _algo
+    from sparsepipe_hpc.nn import SparseConv3d, SparseInverseConv3d
+
+    n = x.num_voxels
+    feats = torch.randn(n, c, device=device)
+    grad = torch.randn(n, c, device=device)
+
+    def project() -> Callable[[], None]:
+        torch.manual_seed(0)
+        down = SparseConv3d(c, 2 * c, 2, 2, indice_key="d").to(device)
+        up = SparseInverseConv3d(2 * c, c, 2, indice_key="d").to(device)
+
+        def fn() -> None:
+            f = feats.clone().requires_grad_()
+            with _autocast(device, dtype):
+                y = up(down(x.replace(feats=f, kmaps={}))).feats
+            y.backward(grad.to(y.dtype))
+        return fn
+
+    def spconv() -> Callable[[], None]:
+        import spconv.pytorch as sp
+
+        algo = _algo(device)
+        down = sp.SparseConv3d(c, 2 * c, 2, 2, bias=False, indice_key="d", algo=algo).to(device)
+        up = sp.SparseInverseConv3d(2 * c, c, 2, bias=False, indice_key="d",
+                                    algo=algo).to(device)
+
+        def fn() -> None:
+            f = feats.clone().requires_grad_()
+            with _autocast(device, dtype):
+                st = sp.SparseConvTensor(f, x.coords, list(x.spatial_shape), x.batch_size)
+                y = up(down(st)).features
+            y.backward(grad.to(y.dtype))
+        return fn
+
+    out: dict[str, Any] = {"channels": [c, 2 * c], "voxels": n}
+    runs = {"project": project()}
+    if _spconv_runs(device, dtype):
+        runs["spconv"] = spconv()
+    else:
+        out["spconv"] = {"skipped": SKIP_CPU_AUTOCAST}
+    out.update(time_alternating(runs, device, args.repeats))
+    if "spconv" in runs:
+        out["time_ratio_project_over_spconv"] = (out["project"]["median_s"]
+                                                 / out["spconv"]["median_s"])
+    return out
+
+
 def _batchnorm(x: SparseTensor, c: int, args: Any, device: torch.device,
                dtype: Optional[torch.dtype]) -> dict[str, Any]:
     """One BatchNorm over [N, c] features, fwd+bwd: project (one rank, group form) and torch's."""
@@ -445,7 +501,7 @@ def main(argv: list[str]) -> None:
                   "voxels": x.num_voxels, "spatial_shape": list(x.spatial_shape),
                   "width": args.width, "depth": args.depth},
         "targets": {"time_ratio_max": 1.10, "memory_ratio_max": 1.10},
-        "steps": {}, "layer": {}, "batchnorm": {}, "complete": False}
+        "steps": {}, "layer": {}, "strided": {}, "batchnorm": {}, "complete": False}
     for name in names:
         steps = result["steps"][name] = _steps(x, args, device, PRECISIONS[name])
         for net in ("spconv_unet", "spconv_triton_unet", "sparseunet", "distributed_1x1x1"):
@@ -477,6 +533,11 @@ def main(argv: list[str]) -> None:
                 continue
             print(f"{name} layer {args.layer_channels}->{args.layer_channels} {net:8s} "
                   f"{t['median_s'] * 1e3:8.2f} ms {t['tflops']:8.3f} TFLOP/s")
+        st = result["strided"][name] = _strided(x, args.width, args, device, PRECISIONS[name])
+        print(f"{name} strided {args.width}->{2 * args.width}->{args.width} (map included): "
+              f"project {st['project']['median_s'] * 1e3:.2f} ms" +
+              (f", spconv {st['spconv']['median_s'] * 1e3:.2f} ms" if "median_s" in
+               st.get("spconv", {}) else ""))
         bn = result["batchnorm"][name] = _batchnorm(x, args.width, args, device,
                                                     PRECISIONS[name])
         print(f"{name} batchnorm {args.width} ch: project {bn['project']['median_s'] * 1e3:.2f} ms"
