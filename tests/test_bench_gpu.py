@@ -44,10 +44,12 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
     assert r["targets"] == {"time_ratio_max": 1.10, "memory_ratio_max": 1.10}
     assert set(r["steps"]) == {"fp32", "fp16"} and set(r["layer"]) == {"fp32", "fp16"}
     fp32 = r["steps"]["fp32"]
-    for net in ("spconv_unet", "sparseunet", "distributed_1x1x1"):
+    nets = ("spconv_unet", "sparseunet", "sparseunet_window", "distributed_1x1x1")
+    for net in nets:
         assert fp32[net]["median_s"] > 0 and fp32[net]["peak_bytes"] is None  # no device memory
     assert fp32["time_ratio_distributed_1x1x1_over_spconv"] > 0
-    for net in ("spconv_unet", "sparseunet", "distributed_1x1x1"):  # a CPU has torch ops only
+    assert fp32["time_ratio_sparseunet_window_over_spconv"] > 0
+    for net in nets:  # a CPU has torch ops only
         n = fp32["launches"][net]
         assert n["aten_ops"] > 100 and n["kernels"] == n["syncs"] == 0, n
     assert "launches sparseunet" in proc.stdout
@@ -59,8 +61,9 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
         assert layer[net]["tflops"] > 0
     strided = r["strided"]["fp32"]
     assert strided["channels"] == [4, 8] and strided["voxels"] == r["scene"]["voxels"]
-    assert strided["project"]["median_s"] > 0 and strided["spconv"]["median_s"] > 0
-    assert strided["time_ratio_project_over_spconv"] > 0
+    for name in ("project", "project_window", "spconv"):
+        assert strided[name]["median_s"] > 0
+    assert strided["time_ratio_project_window_over_spconv"] > 0
     assert "skipped" in r["strided"]["fp16"]["spconv"]
     assert "fp32 strided 4->8->4 (map included): project" in proc.stdout
     for precision in ("fp32", "fp16"):

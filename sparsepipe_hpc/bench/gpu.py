@@ -10,7 +10,9 @@ on a CPU), median of ``--repeats`` rounds after a warm-up, the variants of a tab
 within each round; the JSON is rewritten after each precision (``complete`` once all ran):
 
   steps        per precision (fp32, and fp16/bf16 under torch.autocast): the plain spconv U-Net
-               (:mod:`.spconv_unet`), ``SparseUNet`` on one rank, and the distributed model on a
+               (:mod:`.spconv_unet`), ``SparseUNet`` on one rank (and ``sparseunet_window``: the
+               same with its strided layers as dense GEMMs, :mod:`sparsepipe_hpc.engine.window`,
+               off by default until measured), and the distributed model on a
                1x1x1 grid (every layer through the spatial path, empty exchanges); step time and
                peak device memory, and each one's ratio to plain spconv (the issue's target:
                <= 1.10 in time and memory). ``--triton`` adds the plain U-Net written with
@@ -27,7 +29,8 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                spconv-triton's ``SubMConv3d``.
   strided      a U-Net level's strided pair on the scene's voxels, forward + backward, its map
                built each time: ``SparseConv3d`` k2s2 W -> 2W and ``SparseInverseConv3d`` back
-               (W = ``--width``), the project's against spconv's own (implicit GEMM on CUDA).
+               (W = ``--width``), the project's (``project``; ``project_window`` as dense GEMMs)
+               against spconv's own (implicit GEMM on CUDA).
   batchnorm    one BatchNorm over the scene's voxels at ``--width`` channels, forward + backward:
                the project's on one rank (as the trainer runs it), the project's group form
                (what each rank of a spatial group runs, all-reduce aside: deferred statistics on
@@ -147,12 +150,14 @@ def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
                dtype: Optional[torch.dtype], triton: bool = False
                ) -> dict[str, Callable[[], None]]:
     """One forward + backward each, from fresh coordinates (kernel maps included): the plain spconv
-    U-Net (left out where spconv cannot run it: CPU autocast), ``SparseUNet`` on one rank, and the
+    U-Net (left out where spconv cannot run it: CPU autocast), ``SparseUNet`` on one rank (also
+    with its strided layers as dense GEMMs: ``sparseunet_window``), and the
     distributed model on a 1x1x1 grid; the same seed, so the U-Nets start alike. ``triton``: also
     the plain U-Net in spconv-triton's layers, where :func:`triton_skip` allows."""
     from mpi4py import MPI
 
     from sparsepipe_hpc.bench.spconv_unet import SpconvUNet
+    from sparsepipe_hpc.engine import window
     from sparsepipe_hpc.nn import SparseUNet
     from sparsepipe_hpc.parallel.context import ParallelContext
     from sparsepipe_hpc.parallel.layout import RankLayout
@@ -195,7 +200,12 @@ def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
             y.float().square().mean().backward()
 
         steps["spconv_triton_unet"] = triton_step
-    steps.update(sparseunet=ours_step, distributed_1x1x1=dist_step)
+    def window_step() -> None:  # the strided layers as dense GEMMs (engine.window, off today)
+        with window.on(device.type):
+            ours_step()
+
+    steps.update(sparseunet=ours_step, sparseunet_window=window_step,
+                 distributed_1x1x1=dist_step)
     return steps
 
 
@@ -215,7 +225,7 @@ def _steps(x: SparseTensor, args: Any, device: torch.device,
         except Exception as e:
             out["launches"][name] = {"error": f"{type(e).__name__}: {e}"}
     base = out["spconv_unet"]
-    for name in ("sparseunet", "distributed_1x1x1", "spconv_triton_unet"):
+    for name in ("sparseunet", "sparseunet_window", "distributed_1x1x1", "spconv_triton_unet"):
         if name not in steps:
             continue
         if "median_s" in base:
@@ -320,7 +330,8 @@ def _strided(x: SparseTensor, c: int, args: Any, device: torch.device,
              dtype: Optional[torch.dtype]) -> dict[str, Any]:
     """A U-Net level's way down and back: ``SparseConv3d`` k2s2 c -> 2c, then
     ``SparseInverseConv3d`` 2c -> c onto the same voxels, forward + backward with their map built
-    each time (as a step does): the project's (default engine) against spconv's own layers."""
+    each time (as a step does): the project's (default engine, and through
+    :mod:`sparsepipe_hpc.engine.window`) against spconv's own layers."""
     from sparsepipe_hpc.bench.spconv_unet import _algo
     from sparsepipe_hpc.nn import SparseConv3d, SparseInverseConv3d
 
@@ -357,15 +368,24 @@ def _strided(x: SparseTensor, c: int, args: Any, device: torch.device,
         return fn
 
     out: dict[str, Any] = {"channels": [c, 2 * c], "voxels": n}
-    runs = {"project": project()}
+    from sparsepipe_hpc.engine import window
+
+    plain = project()
+
+    def dense() -> None:  # the same layers through engine.window
+        with window.on(device.type):
+            plain()
+
+    runs = {"project": plain, "project_window": dense}
     if _spconv_runs(device, dtype):
         runs["spconv"] = spconv()
     else:
         out["spconv"] = {"skipped": SKIP_CPU_AUTOCAST}
     out.update(time_alternating(runs, device, args.repeats))
     if "spconv" in runs:
-        out["time_ratio_project_over_spconv"] = (out["project"]["median_s"]
-                                                 / out["spconv"]["median_s"])
+        for name in ("project", "project_window"):
+            out[f"time_ratio_{name}_over_spconv"] = (out[name]["median_s"]
+                                                     / out["spconv"]["median_s"])
     return out
 
 
@@ -504,7 +524,8 @@ def main(argv: list[str]) -> None:
         "steps": {}, "layer": {}, "strided": {}, "batchnorm": {}, "complete": False}
     for name in names:
         steps = result["steps"][name] = _steps(x, args, device, PRECISIONS[name])
-        for net in ("spconv_unet", "spconv_triton_unet", "sparseunet", "distributed_1x1x1"):
+        for net in ("spconv_unet", "spconv_triton_unet", "sparseunet", "sparseunet_window",
+                    "distributed_1x1x1"):
             if net not in steps:
                 continue
             t = steps[net]
@@ -535,7 +556,8 @@ def main(argv: list[str]) -> None:
                   f"{t['median_s'] * 1e3:8.2f} ms {t['tflops']:8.3f} TFLOP/s")
         st = result["strided"][name] = _strided(x, args.width, args, device, PRECISIONS[name])
         print(f"{name} strided {args.width}->{2 * args.width}->{args.width} (map included): "
-              f"project {st['project']['median_s'] * 1e3:.2f} ms" +
+              f"project {st['project']['median_s'] * 1e3:.2f} ms, as dense GEMMs "
+              f"{st['project_window']['median_s'] * 1e3:.2f} ms" +
               (f", spconv {st['spconv']['median_s'] * 1e3:.2f} ms" if "median_s" in
                st.get("spconv", {}) else ""))
         bn = result["batchnorm"][name] = _batchnorm(x, args.width, args, device,

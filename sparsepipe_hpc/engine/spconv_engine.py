@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from sparsepipe_hpc.engine import window
 from sparsepipe_hpc.engine.base import Engine, Progress
 
 __all__ = ["SpconvEngine", "SpconvDtypeError", "patch_spconv", "single_thread", "spconv_call",
@@ -128,6 +129,12 @@ class SpconvEngine(Engine):
             return y if out is None else out.add_(y)
         if kmap.num_pairs == 0:
             return feats.new_zeros(kmap.n_out, weight.shape[0]) if out is None else out
+        if window.applies(kmap, feats):  # torch's GEMMs: any dtype
+            with spconv_call(feats.device):  # autocast off: the dtype given
+                y = window.forward(feats.contiguous(), weight.contiguous(), kmap)
+            if progress is not None:
+                progress()
+            return y if out is None else out.add_(y)
         work = native_dtype(feats.dtype, feats.device, (weight.shape[2], weight.shape[0]))
         if work != feats.dtype:
             y = self.forward(feats.to(work), weight.to(work), kmap, progress).to(feats.dtype)
@@ -159,6 +166,16 @@ class SpconvEngine(Engine):
             if grad_in is None and need_input_grad:
                 grad_in = feats.new_zeros(kmap.n_in, weight.shape[2])
             return grad_in, torch.zeros_like(weight)
+        if window.applies(kmap, feats):
+            with spconv_call(feats.device):
+                gi, gw = window.backward(feats.contiguous(), weight.contiguous(),
+                                         grad_out.contiguous(), kmap,
+                                         need_input_grad or grad_in is not None)
+            if progress is not None:
+                progress()
+            if gi is not None and grad_in is not None:
+                gi = grad_in.add_(gi)
+            return (gi if need_input_grad or grad_in is not None else None), gw
         work = native_dtype(feats.dtype, feats.device, (weight.shape[2], weight.shape[0]))
         if work != feats.dtype:
             gi, gw = self.backward(feats.to(work), weight.to(work), grad_out.to(work), kmap,
