@@ -131,6 +131,31 @@ def test_strided_map_and_its_backward_on_gpu_equal_cpu(gen, k, s, p):
         torch.testing.assert_close(gw.cpu(), ref_gw, rtol=1e-3, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tiling_maps_as_dense_gemms_on_gpu_equal_cpu(gen, dtype):
+    """engine.window on CUDA (off by default; bench gpu times it): a k2s2 map and its transpose,
+    forward and backward, equal the torch engine on the CPU in float64."""
+    from halo.kmap import strided_map
+    from sparsepipe_hpc.engine import window
+
+    x = random_cloud(gen, 3000, channels=8, dtype=torch.float32)
+    _, km = strided_map(x.coords, 2, 2, 0, 1, (8, 8, 8))
+    _, km_g = strided_map(x.coords.cuda(), 2, 2, 0, 1, (8, 8, 8))
+    ref_eng, eng = get_engine("torch"), get_engine("spconv")
+    tol = dict(rtol=1e-2, atol=5e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-4)
+    for m, m_g, c_in, c_out in ((km, km_g, 8, 16), (km.transpose(), km_g.transpose(), 16, 8)):
+        f = torch.randn(m.n_in, c_in, generator=gen, dtype=torch.float64)
+        w = torch.randn(c_out, 8, c_in, generator=gen, dtype=torch.float64) / 10
+        g = torch.randn(m.n_out, c_out, generator=gen, dtype=torch.float64)
+        ref = [ref_eng.forward(f, w, m), *ref_eng.backward(f, w, g, m)]
+        with window.on("cuda"):
+            assert window.applies(m_g, f.cuda())
+            fc, wc, gc = (t.cuda().to(dtype) for t in (f, w, g))
+            got = [eng.forward(fc, wc, m_g), *eng.backward(fc, wc, gc, m_g)]
+        for a, r in zip(got, ref):
+            torch.testing.assert_close(a.double().cpu(), r, **tol)
+
+
 def test_two_layers_sharing_one_subm_map_each_get_their_own_gradients(gen):
     """Every submanifold layer of one stride shares one SubmMap, and the implicit GEMM's
     backward reuses the mask its forward stored there, keyed by weight shape and dtype: two
