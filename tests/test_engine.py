@@ -82,6 +82,15 @@ def test_engines_agree_on_gradients(gen):
     torch.testing.assert_close(a[1], b[1], rtol=1e-12, atol=1e-12)
 
 
+def _operands(gen, m, k3: int, c_in: int, c_out: int) -> tuple[torch.Tensor, ...]:
+    """float64 (feats [N_in, C_in], weight [C_out, K, C_in], grad_out [N_out, C_out], an input
+    gradient to accumulate into [N_in, C_in]) for map ``m``."""
+    return (torch.randn(m.n_in, c_in, generator=gen, dtype=torch.float64),
+            torch.randn(c_out, k3, c_in, generator=gen, dtype=torch.float64),
+            torch.randn(m.n_out, c_out, generator=gen, dtype=torch.float64),
+            torch.randn(m.n_in, c_in, generator=gen, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 2, 1), (3, 1, 1)])
 def test_spconv_split_backward_equals_its_own(gen, monkeypatch, k, s, p):
     """The backward CUDA takes (spconv's own allocates per offset there: SPLIT_BACKWARD), run on
@@ -97,10 +106,7 @@ def test_spconv_split_backward_equals_its_own(gen, monkeypatch, k, s, p):
     km = kernel_map(x.coords, oc, k, s, p, 1)
     eng = get_engine("spconv")
     for m, c_in, c_out in ((km, 5, 3), (km.transpose(), 3, 5)):
-        feats = torch.randn(m.n_in, c_in, generator=gen, dtype=torch.float64)
-        w = torch.randn(c_out, k ** 3, c_in, generator=gen, dtype=torch.float64)
-        g = torch.randn(m.n_out, c_out, generator=gen, dtype=torch.float64)
-        acc = torch.randn(m.n_in, c_in, generator=gen, dtype=torch.float64)
+        feats, w, g, acc = _operands(gen, m, k ** 3, c_in, c_out)
         ref = [eng.backward(feats, w, g, m), eng.backward(feats, w, g, m, need_input_grad=False),
                eng.backward(feats, w, g, m, grad_in=acc.clone())]
         monkeypatch.setattr(se, "SPLIT_BACKWARD", ("cpu", "cuda"))
@@ -138,10 +144,7 @@ def test_tiling_maps_as_dense_gemms_equal_spconvs_pairs(gen, monkeypatch, k, p, 
     assert (km.num_pairs < km.n_in) == (case != "all")
     eng = get_engine("spconv")
     for m, c_in, c_out in ((km, 5, 3), (km.transpose(), 3, 5)):
-        feats = torch.randn(m.n_in, c_in, generator=gen, dtype=torch.float64)
-        w = torch.randn(c_out, k ** 3, c_in, generator=gen, dtype=torch.float64)
-        g = torch.randn(m.n_out, c_out, generator=gen, dtype=torch.float64)
-        acc = torch.randn(m.n_in, c_in, generator=gen, dtype=torch.float64)
+        feats, w, g, acc = _operands(gen, m, k ** 3, c_in, c_out)
         out0 = torch.randn(m.n_out, c_out, generator=gen, dtype=torch.float64)
 
         def run():
