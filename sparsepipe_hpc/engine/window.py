@@ -90,11 +90,16 @@ def _patches(rows: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
     return buf.view(n_coarse, k * c)
 
 
-def _from_slots(product: torch.Tensor, kmap: KernelMap, c: int) -> torch.Tensor:
-    """[N_fine, C]: each fine row's slot of ``product [N_coarse, K * C]`` (zeros without one)."""
-    flat = product.view(-1, c)
-    if kmap.num_pairs < _sides(kmap)[2]:
-        flat = torch.cat([flat, flat.new_zeros(1, c)])  # the spare row
+def _from_slots(a: torch.Tensor, b: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
+    """[N_fine, C]: each fine row's slot of ``a @ b`` ([N_coarse, K * C]), zeros for a row
+    without one (read from a spare zero row after the product)."""
+    _, _, n_fine, n_coarse = _sides(kmap)
+    k = kmap.num_offsets
+    c = b.shape[1] // k
+    spare = 1 if kmap.num_pairs < n_fine else 0
+    flat = a.new_empty(n_coarse * k + spare, c)
+    torch.mm(a, b, out=flat[:n_coarse * k].view(n_coarse, k * c))
+    flat[n_coarse * k:] = 0
     return flat[_slots(kmap)[0]]
 
 
@@ -104,8 +109,7 @@ def forward(feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap) -> torch
     c_out, k, c_in = weight.shape
     if kmap.tiling == "in":
         return _patches(feats, kmap) @ weight.reshape(c_out, k * c_in).t()
-    per_coarse = feats @ weight.permute(2, 1, 0).reshape(c_in, k * c_out)  # [N_in, K * C_out]
-    return _from_slots(per_coarse, kmap, c_out)
+    return _from_slots(feats, weight.permute(2, 1, 0).reshape(c_in, k * c_out), kmap)
 
 
 def backward(feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, kmap: KernelMap,
@@ -115,7 +119,7 @@ def backward(feats: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, 
     if kmap.tiling == "in":
         w = weight.reshape(c_out, k * c_in)
         g_w = (grad_out.t() @ _patches(feats, kmap)).view(c_out, k, c_in)
-        g_in = _from_slots(grad_out @ w, kmap, c_in) if need_input_grad else None
+        g_in = _from_slots(grad_out, w, kmap) if need_input_grad else None
         return g_in, g_w
     w = weight.permute(2, 1, 0).reshape(c_in, k * c_out)
     g_patches = _patches(grad_out, kmap)                                # [N_in, K * C_out]
