@@ -115,6 +115,13 @@ class KernelMap:
     def num_pairs(self) -> int:
         return self.bounds[-1]
 
+    def pair_offsets(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """int64 [P]: each pair's kernel offset, on ``device`` (default: the rows'), built
+        without waiting for the device."""
+        dev = self.in_rows.device if device is None else device
+        return torch.repeat_interleave(torch.arange(self.num_offsets, device=dev),
+                                       _on(self.ptr, dev).diff(), output_size=self.num_pairs)
+
     def pairs(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = self.bounds[k], self.bounds[k + 1]
         return self.in_rows[a:b], self.out_rows[a:b]
@@ -137,9 +144,7 @@ class KernelMap:
         Per-offset counts come from one segment sum and one copy to the host (no sync per offset).
         """
         dev = keep.device
-        sizes = _on(self.ptr, dev).diff()
-        offset_of_pair = torch.repeat_interleave(torch.arange(self.num_offsets, device=dev), sizes,
-                                                 output_size=self.num_pairs)  # no device sync
+        offset_of_pair = self.pair_offsets(dev)
         counts = torch.zeros(self.num_offsets, dtype=torch.int64, device=dev)
         counts.index_add_(0, offset_of_pair, keep.long())
         ptr = torch.zeros(self.num_offsets + 1, dtype=torch.int64)
@@ -157,10 +162,8 @@ class KernelMap:
             width = max(int(counts.max()) if len(counts) else 0, 1)
             dev = self.in_rows.device
             pairs = torch.full((2, self.num_offsets, width), -1, dtype=torch.int32, device=dev)
-            ptr = _on(self.ptr, dev)  # a blocking host-to-device copy would wait for the device
-            k = torch.repeat_interleave(torch.arange(self.num_offsets, device=dev), ptr.diff(),
-                                        output_size=self.num_pairs)
-            pos = torch.arange(self.num_pairs, device=dev) - ptr[k]
+            k = self.pair_offsets()
+            pos = torch.arange(self.num_pairs, device=dev) - _on(self.ptr, dev)[k]
             pairs[0, k, pos] = self.in_rows.int()
             pairs[1, k, pos] = self.out_rows.int()
             self._spconv = (pairs, counts.contiguous())

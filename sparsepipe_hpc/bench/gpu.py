@@ -200,6 +200,7 @@ def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
             y.float().square().mean().backward()
 
         steps["spconv_triton_unet"] = triton_step
+
     def window_step() -> None:  # the strided layers as dense GEMMs (engine.window, off today)
         with window.on(device.type):
             ours_step()
@@ -333,6 +334,7 @@ def _strided(x: SparseTensor, c: int, args: Any, device: torch.device,
     each time (as a step does): the project's (default engine, and through
     :mod:`sparsepipe_hpc.engine.window`) against spconv's own layers."""
     from sparsepipe_hpc.bench.spconv_unet import _algo
+    from sparsepipe_hpc.engine import window
     from sparsepipe_hpc.nn import SparseConv3d, SparseInverseConv3d
 
     n = x.num_voxels
@@ -368,8 +370,6 @@ def _strided(x: SparseTensor, c: int, args: Any, device: torch.device,
         return fn
 
     out: dict[str, Any] = {"channels": [c, 2 * c], "voxels": n}
-    from sparsepipe_hpc.engine import window
-
     plain = project()
 
     def dense() -> None:  # the same layers through engine.window

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -82,6 +82,13 @@ def _is_call(name: str) -> bool:
     return name.startswith("cu") and "(" not in name
 
 
+def _frame(name: str) -> Optional[tuple[str, str]]:
+    """(short path, "line): function") of a Python frame event (``path(line): function`` in a
+    profile with stacks); None for an op or a runtime call."""
+    path, paren, rest = name.partition("(")
+    return (_short(path), rest) if paren else None
+
+
 def _caller(e: Any) -> str:
     """The innermost op or Python frame around a runtime call event (its ``cpu_parent``
     chain), or '?'."""
@@ -90,8 +97,8 @@ def _caller(e: Any) -> str:
         p = getattr(p, "cpu_parent", None)
     if p is None:
         return "?"
-    path, paren, rest = p.name.partition("(")
-    return _short(path) + paren + rest if paren else p.name
+    frame = _frame(p.name)
+    return f"{frame[0]}({frame[1]}" if frame else p.name
 
 
 def _launch_site(e: Any) -> str:
@@ -101,9 +108,9 @@ def _launch_site(e: Any) -> str:
     lies in ``halo`` or ``sparsepipe_hpc``."""
     p = getattr(e, "cpu_parent", None)
     while p is not None:
-        path, paren, rest = p.name.partition("(")
-        if paren and _short(path).startswith(("halo/", "sparsepipe_hpc/")):
-            return f"{e.name} at {_short(path)}:{rest.partition(')')[0]}"
+        frame = _frame(p.name)
+        if frame and frame[0].startswith(("halo/", "sparsepipe_hpc/")):
+            return f"{e.name} at {frame[0]}:{frame[1].partition(')')[0]}"
         p = getattr(p, "cpu_parent", None)
     return e.name
 

@@ -57,14 +57,10 @@ def _slots(kmap: KernelMap) -> tuple[torch.Tensor, torch.Tensor]:
     without a pair slot ``N_coarse * K`` (one spare row past the buffer); and each pair's slot,
     in pair order. The fine side: inputs ("in") or outputs ("out")."""
     if kmap._slots is None:
-        dev = kmap.in_rows.device
         k = kmap.num_offsets
-        ptr = kmap.ptr.to(dev, non_blocking=True)  # a blocking copy would wait for the device
-        offset = torch.repeat_interleave(torch.arange(k, device=dev), ptr.diff(),
-                                         output_size=kmap.num_pairs)
         fine, coarse, n_fine, n_coarse = _sides(kmap)
-        per_pair = coarse * k + offset
-        per_row = torch.full((n_fine,), n_coarse * k, dtype=torch.int64, device=dev)
+        per_pair = coarse * k + kmap.pair_offsets()
+        per_row = torch.full((n_fine,), n_coarse * k, dtype=torch.int64, device=fine.device)
         per_row[fine] = per_pair
         kmap._slots = (per_row, per_pair)
     return kmap._slots
