@@ -214,16 +214,20 @@ def odd_cuts(grid, extent, offset):
     return Cuts(tuple(bounds))
 
 
+def _small_net(model: str):
+    """A maker of a depth-2 U-Net ("unet") or of one of LAYERS."""
+    if model == "unet":
+        return lambda: SparseUNet(3, 5, width=4, depth=2)
+    return LAYERS[model][0]
+
+
 @pytest.mark.parametrize("offset", [1, 3])
 @pytest.mark.parametrize("model", ["unet", "down_up_k2", "down_up_k3"])
 def test_misaligned_cuts_are_exact(comm, model, offset):
     """Cuts that split a stride-2 kernel-2 window (any position, align=1) still give the serial
     result: strided layers fetch the inputs below their box through the halo."""
     x = make_cloud(5, "random", shape=(16, 16, 16), batch=2)
-    if model == "unet":
-        net = lambda: SparseUNet(3, 5, width=4, depth=2)  # noqa: E731
-    else:
-        net = LAYERS[model][0]
+    net = _small_net(model)
     for grid in grids_for(comm):
         run_pair(comm, grid, "uniform", net, x, align=1,
                  explicit=odd_cuts(grid, x.spatial_shape, offset))
@@ -241,10 +245,7 @@ def test_tiling_maps_as_dense_gemms_equal_serial(comm, monkeypatch, model, align
     calls, forward = [], window.forward
     monkeypatch.setattr(window, "forward", lambda *a: calls.append(1) or forward(*a))
     x = make_cloud(5, "random", shape=(16, 16, 16), batch=2)
-    if model == "unet":
-        net = lambda: SparseUNet(3, 5, width=4, depth=2)  # noqa: E731
-    else:
-        net = LAYERS[model][0]
+    net = _small_net(model)
     for grid in grids_for(comm):
         run_pair(comm, grid, "uniform", net, x, align=align)
     assert calls
