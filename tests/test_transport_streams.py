@@ -58,6 +58,49 @@ def test_without_the_wait_the_copy_races_ahead():
     assert dst.tolist() == [0.0] * 3
 
 
+def test_an_autonomous_device_runs_its_work_while_the_host_is_away():
+    """SimDevice(autonomous=True) ticks from a thread of its own, as a GPU runs without its
+    host: lagged work completes with no enqueue or query from the host."""
+    import time
+
+    dev = SimDevice(lag=3, autonomous=True)
+    x = torch.zeros(2)
+    dev.compute.launch(lambda: x.fill_(5.0))
+    deadline = time.monotonic() + 10
+    while x[0] != 5.0 and time.monotonic() < deadline:
+        time.sleep(0.001)  # the host does nothing with the device
+    assert x.tolist() == [5.0, 5.0]
+
+
+def test_a_peer_event_waits_for_its_latest_record_before_the_wait(tmp_path):
+    """SimIPCMemory's events between two stand-in devices (two processes on a GPU): a wait holds
+    a stream back until the peer's stream has run the record issued last before the wait; a
+    record issued after the wait does not hold it back."""
+    from halo.transport.ipc import SimIPCMemory
+
+    mine, theirs = SimIPCMemory(str(tmp_path)), SimIPCMemory(str(tmp_path))
+    sender, receiver = SimDevice(), SimDevice()
+    event, handle = mine.event()
+    sender.compute.hold()  # the sender's work before the record has not run
+    mine.record(event, sender.compute)
+    theirs.wait(receiver.compute, handle)
+    ran: list[int] = []
+    receiver.compute.launch(lambda: ran.append(1))
+    receiver.pump()
+    assert not ran, "ran before the peer's recorded work"
+    sender.compute.release()
+    receiver.compute.record().synchronize()
+    assert ran == [1]
+    theirs.wait(receiver.compute, handle)  # waits for record 1, which has run
+    sender.compute.hold()
+    mine.record(event, sender.compute)  # record 2, after the wait: not waited for
+    receiver.compute.launch(lambda: ran.append(2))
+    assert ran == [1, 2]
+    theirs.close_opened()
+    mine.free_own()
+    assert not list(tmp_path.iterdir())
+
+
 def test_event_query_and_synchronize_on_a_held_stream():
     dev = SimDevice()
     dev.compute.hold()
@@ -122,11 +165,33 @@ def test_make_transport_builds_the_resolved_name():
         make_transport("auto", comm, dev)
 
 
+def test_make_reducer_builds_the_resolved_name():
+    from mpi4py import MPI
+
+    from halo.transport.ipc_reduce import IPCReducer
+    from halo.transport.select import make_reducer
+    from halo.transport.staged_reduce import StagedReducer
+
+    comm = MPI.COMM_SELF
+    dev = SimDevice()
+    assert make_reducer("mpi", comm, dev) is None
+    assert isinstance(make_reducer("staged", comm, dev), StagedReducer)
+    ipc = make_reducer("ipc", comm, dev)
+    assert isinstance(ipc, IPCReducer) and ipc.device is dev
+    t = torch.arange(4.0)
+    ipc.iallreduce_(t).wait()  # one rank: nothing to add
+    assert torch.equal(t, torch.arange(4.0))
+    ipc.close()
+    with pytest.raises(TransportError, match=r"the ipc transport reduces device tensors .* "
+                                             r"pass device="):
+        make_reducer("ipc", comm)
+
+
 def test_importing_the_packages_does_not_import_cupy():
     code = ("import sys, sparsepipe_hpc, halo, halo.transport, halo.transport.streams, "
             "halo.transport.staged, halo.transport.collectives, sparsepipe_hpc.train.loop, "
             "sparsepipe_hpc.parallel.gradients; "
-            "import halo.transport.nccl, halo.transport.ipc; "
+            "import halo.transport.nccl, halo.transport.ipc, halo.transport.ipc_reduce; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cupy'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

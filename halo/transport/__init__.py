@@ -14,8 +14,9 @@ Modules: ``base`` (the interfaces: Transport, Reducer), ``mpi`` (host tensors, m
 the layers make; a ReduceGroup routes device tensors to its Reducer), ``streams`` (stream/event
 ordering: CUDA through torch, and a CPU stand-in for tests; staging-buffer pool), ``staged`` and
 ``staged_reduce`` (device -> pinned host -> MPI -> host -> device, point-to-point and all-reduce),
-``nccl`` (CuPy NCCL, both) and ``ipc`` (CUDA IPC between ranks of a node) - both unverified, no
-GPU yet -, ``select`` (``--transport auto|nccl|ipc|staged|mpi``), ``delay`` (a simulated slow
+``nccl`` (CuPy NCCL, both), ``ipc`` and ``ipc_reduce`` (CUDA IPC between ranks of a node,
+point-to-point and all-reduce; device work ordered across processes by interprocess events),
+``select`` (``--transport auto|nccl|ipc|staged|mpi``), ``delay`` (a simulated slow
 network).
 Nothing here imports CuPy at module import.
 """

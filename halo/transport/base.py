@@ -82,3 +82,7 @@ class Reducer(ABC):
     def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
         """Start the in-place all-reduce (``op``: "sum", "max" or "min") of the contiguous
         ``t``; leave ``t`` untouched until the request's ``wait``."""
+
+    def close(self) -> None:
+        """Free what it holds that peers use (CUDA IPC's buffers): collective over its ranks,
+        once every all-reduce has completed on every rank. Most reducers hold nothing such."""

@@ -14,8 +14,8 @@ auto`` before CUDA was probed): only the names that can never work are refused.
 
 :func:`make_transport` builds the chosen transport over one communicator; each group of ranks
 (the spatial grid, a stage pair) gets its own, made by the layer that owns the communicator.
-:func:`make_reducer` builds the matching all-reduce of device tensors: NCCL's own, else
-host-staged MPI (CUDA IPC is point-to-point only; its groups reduce through staging).
+:func:`make_reducer` builds the matching all-reduce of device tensors: NCCL's own, CUDA IPC's
+(every rank's tensor to every other, summed alike on each), or host-staged MPI.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def make_transport(name: str, comm: Any, device: Optional[Device] = None) -> Tra
 def make_reducer(name: str, comm: Any, device: Optional[Device] = None) -> Optional[Reducer]:
     """The all-reduce of ``device``'s tensors over ``comm`` for the resolved transport ``name``:
     None for "mpi" (host tensors, reduced where they lie), NCCL's for "nccl" (a communicator of
-    its own: collective over ``comm``), host-staged MPI on a stream of ``device`` for "staged"
-    and "ipc"."""
+    its own), CUDA IPC's for "ipc" (on a ``comm.Dup()``; both collective over ``comm``),
+    host-staged MPI on a stream of ``device`` for "staged"."""
     if name == "mpi":
         return None
     if name not in DEVICE_TRANSPORTS:
@@ -106,6 +106,10 @@ def make_reducer(name: str, comm: Any, device: Optional[Device] = None) -> Optio
         from halo.transport.nccl import NCCLTransport
 
         return NCCLTransport(comm, device)
+    if name == "ipc":
+        from halo.transport.ipc_reduce import IPCReducer
+
+        return IPCReducer(comm, device)
     from halo.transport.staged_reduce import StagedReducer
 
     return StagedReducer(comm, device)

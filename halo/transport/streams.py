@@ -17,7 +17,9 @@ copy reads its source when it runs, not when it is enqueued, exactly as on a GPU
 ``SimDevice(lag=k)`` is asynchronous as a GPU is: an operation runs only ``k`` ticks after it was
 enqueued (a tick: each time the host enqueues or queries), so a host that stops touching the
 device while blocked elsewhere (in MPI) sees its copies still pending, and ``synchronize`` ticks
-until they are done.
+until they are done. ``SimDevice(lag=k, autonomous=True)`` also ticks on its own, every half
+millisecond, from a thread: its work runs while its host is blocked, as a GPU's does, which a
+peer process waiting on that work (an event another process completes: ``external``) needs.
 
 :class:`StagingPool` hands out byte buffers and takes them back with an event: a buffer is reused
 only once that event has completed (the copy out of it or into it has run).
@@ -25,6 +27,9 @@ only once that event has completed (the copy out of it or into it has run).
 
 from __future__ import annotations
 
+import threading
+import time
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any, Callable, Optional
@@ -33,6 +38,9 @@ import torch
 
 __all__ = ["Event", "Stream", "Device", "SimDevice", "SimStream", "SimEvent", "CudaDevice",
            "StagingPool", "StreamError"]
+
+
+SYNC_TIMEOUT_S = 60.0  # longest a stand-in waits for work another process or thread completes
 
 
 class StreamError(RuntimeError):
@@ -66,6 +74,10 @@ class Stream(ABC):
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Enqueue ``dst.copy_(src)`` (same number of elements; asynchronous)."""
 
+    @abstractmethod
+    def launch(self, fn: Callable[[], Any]) -> None:
+        """Enqueue ``fn``'s torch work on this stream (it allocates from and runs on it)."""
+
 
 class Device(ABC):
     """A device's compute stream, new streams and host staging memory. ``type``: the
@@ -96,6 +108,15 @@ class SimEvent(Event):
         for _ in range(self._device.lag + 1):  # each query is a tick: the device gets there
             if self.query():
                 return
+        # Work another process (or the device's own thread) completes: wait for it, a while.
+        deadline = time.monotonic() + SYNC_TIMEOUT_S
+        while time.monotonic() < deadline:
+            elsewhere = self._device.runs_elsewhere()  # before the query: it may complete between
+            if self.query():
+                return
+            if not elsewhere:
+                break
+            time.sleep(0.001)
         raise StreamError(f"synchronize on an event of stream {self._stream.name!r}, which is "
                           f"held or waits on a held stream: the host would block forever")
 
@@ -109,7 +130,8 @@ class SimStream(Stream):
         self.held = False
 
     def _enqueue(self, kind: str, item: Any) -> None:
-        self._queue.append((kind, item, self._device.clock + self._device.lag))
+        with self._device.lock:
+            self._queue.append((kind, item, self._device.clock + self._device.lag))
         self._device.pump()
 
     def _run_ready(self) -> bool:
@@ -138,8 +160,13 @@ class SimStream(Stream):
         self._enqueue("op", lambda: dst.copy_(src.reshape(dst.shape)))
 
     def launch(self, fn: Callable[[], Any]) -> None:
-        """Enqueue ``fn`` as a kernel of this stream (tests: compute work that makes or reads data)."""
         self._enqueue("op", fn)
+
+    def waits_elsewhere(self) -> bool:
+        """True while an event another process completes (``external``) holds this stream up."""
+        with self._device.lock:
+            return any(kind == "wait" and getattr(item, "external", False) and not item.done
+                       for kind, item, _ in self._queue)
 
     def hold(self) -> None:
         self.held = True
@@ -151,14 +178,18 @@ class SimStream(Stream):
 
 class SimDevice(Device):
     """CPU stand-in for a GPU: its "device" tensors are CPU tensors, its streams FIFOs.
-    ``lag``: ticks an operation waits after it is enqueued before it may run (0: at once)."""
+    ``lag``: ticks an operation waits after it is enqueued before it may run (0: at once);
+    ``autonomous``: a thread ticks it too, so its work runs while the host is blocked."""
 
     type = "cpu"
 
-    def __init__(self, lag: int = 0) -> None:
-        self.lag, self.clock = lag, 0
+    def __init__(self, lag: int = 0, autonomous: bool = False) -> None:
+        self.lag, self.clock, self.autonomous = lag, 0, autonomous
+        self.lock = threading.RLock()  # the host and the ticking thread both run the streams
         self.streams: list[SimStream] = []
         self.compute: SimStream = self.new_stream("compute")
+        if autonomous:
+            threading.Thread(target=_tick, args=(weakref.ref(self),), daemon=True).start()
 
     def new_stream(self, name: str) -> SimStream:
         s = SimStream(self, name)
@@ -170,9 +201,26 @@ class SimDevice(Device):
 
     def pump(self) -> None:
         """One tick: run every operation whose turn has come, across streams, until none can."""
-        self.clock += 1
-        while any([s._run_ready() for s in self.streams]):
-            pass
+        with self.lock:
+            self.clock += 1
+            while any([s._run_ready() for s in self.streams]):
+                pass
+
+    def runs_elsewhere(self) -> bool:
+        """True while work can complete without this host's ticks: the device's own thread, or
+        a stream held up by another process's event."""
+        return self.autonomous or any(s.waits_elsewhere() for s in self.streams)
+
+
+def _tick(device: "weakref.ref[SimDevice]") -> None:
+    """An autonomous stand-in's clock: a tick every half millisecond while the device lives."""
+    while True:
+        time.sleep(0.0005)
+        dev = device()
+        if dev is None:
+            return
+        dev.pump()
+        del dev
 
 
 # --- CUDA (torch.cuda; not run in the CPU suite) -----------------------------------------------
@@ -205,6 +253,10 @@ class _CudaStream(Stream):
         for t in (dst, src):  # the caching allocator must not hand t out before the copy ran
             if t.is_cuda:
                 t.record_stream(self.stream)
+
+    def launch(self, fn: Callable[[], Any]) -> None:
+        with torch.cuda.stream(self.stream):
+            fn()
 
 
 class CudaDevice(Device):

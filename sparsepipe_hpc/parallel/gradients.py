@@ -174,11 +174,14 @@ class GradientReducer:
         self._armed = False
 
     def close(self) -> None:
-        """Remove the hooks and free the duplicated communicator."""
+        """Remove the hooks, close the reducer and free the duplicated communicator
+        (collective)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         if self.comm is not None:
+            if self.group.reducer is not None:
+                self.group.reducer.close()
             self.group = ReduceGroup(None)  # its reducer may hold the communicator
             self.comm.Free()
             self.comm = None

@@ -9,12 +9,12 @@ On CPU only ``mpi`` exists (``auto`` -> ``mpi``); a device transport asked for o
 ConfigError on every rank (``agree``). On CUDA ``auto`` resolves to ``staged`` for now: halo rows
 and plan coordinates then move device -> pinned host -> MPI -> pinned host -> device on a
 communication stream, the path whose ordering the CPU suite tests on a stand-in device; ``nccl``
-and ``ipc`` must be asked for by name. Reductions (gradient buckets,
-BatchNorm statistics, pooling) of device tensors go through the matching reducer on a stream of
-the same device: NCCL's for ``nccl``, host-staged MPI for ``staged`` and ``ipc``. Pipeline stage
+and ``ipc`` must be asked for by name. Reductions (gradient buckets, BatchNorm statistics,
+pooling) of device tensors go through the matching reducer, ordered on the same device's streams:
+NCCL's for ``nccl``, CUDA IPC's for ``ipc``, host-staged MPI for ``staged``. Pipeline stage
 transfers of device tensors always go host-staged: their receives are posted late and from both
 directions at once, which MPI's matching serves, while NCCL (calls matched in order on one
-stream) and this IPC transport (a sender waits for its receiver) could block each other.
+stream) and this IPC transport (a sender waits for its receiver's "ready") could block each other.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """IPCTransport's protocol under real mpirun, on the CPU stand-in: SimDevice streams and POSIX
-shared memory for the registered buffers (SimIPCMemory), so ranks write into each other's buffers
-as CUDA IPC does. ``start`` never waits for the device; the copy into a peer's buffer waits for
-the compute stream's producer; the receiver's consumer waits for the copy out; "done" goes out
-only once the copy has run, in start order, even while its sender is blocked on other messages;
-buffers are reused, not leaked. On a GPU the same transport runs on CudaDevice and CUDA IPC
-(tests/test_transport_gpu.py, tests/mpi/test_spatial_gpu.py)."""
+shared memory for the registered buffers and events (SimIPCMemory), so ranks write into each
+other's buffers and wait for each other's events as CUDA IPC does. Neither ``start`` nor ``wait``
+waits for the device; the copy into a peer's buffer waits for the compute stream's producer; the
+receiver's copy out waits for the sender's event, and its consumer for the copy out; a rank
+blocked in MPI does not hold up what its device sends; buffers are reused, not leaked. On a GPU
+the same transport runs on CudaDevice and CUDA IPC (the last test here,
+tests/test_transport_gpu.py, tests/mpi/test_spatial_gpu.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def make(comm):
     with it (a peer may write into our buffers until its last request completes)."""
     made: list[IPCTransport] = []
 
-    def build(lag: int = 0) -> IPCTransport:
-        made.append(IPCTransport(comm, SimDevice(lag=lag), SimIPCMemory()))
+    def build(lag: int = 0) -> IPCTransport:  # a lagging device runs on its own, as a GPU does
+        made.append(IPCTransport(comm, SimDevice(lag=lag, autonomous=lag > 0), SimIPCMemory()))
         return made[-1]
 
     yield build
@@ -45,20 +46,23 @@ def ring(comm):
     return (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
 
 
-def test_start_returns_before_the_producer_ran(comm, make):
+def test_neither_start_nor_wait_waits_for_the_device(comm, make):
+    """Every rank's producer is still queued (its compute stream held) through start and wait:
+    the host goes on, and the consumer runs only once the producers on both sides have run."""
     tr = make()
     dev = tr.device
     right, left = ring(comm)
     send = torch.zeros(4, 3)
     recv = torch.full((4, 3), -1.0)
-    dev.compute.hold()  # the producer of `send` is still queued on the compute stream
-    dev.compute.launch(lambda: send.fill_(float(comm.rank)))
+    dev.compute.hold()
+    dev.compute.launch(lambda: send.fill_(float(comm.rank)))  # the producer
     req = tr.start([(right, send)], [(left, recv)], tag=3)  # would block forever if it waited
-    assert not req.test(), "complete before the copy into the peer's buffer could run"
-    dev.compute.release()
-    req.wait()
+    req.wait()  # so would this
     seen: list[torch.Tensor] = []
-    dev.compute.launch(lambda: seen.append(recv.clone()))
+    dev.compute.launch(lambda: seen.append(recv.clone()))  # the consumer
+    assert not seen and recv.eq(-1).all()
+    dev.compute.release()
+    dev.compute.record().synchronize()  # also waits for the peer's copy into our buffer
     assert seen and seen[0].eq(float(left)).all()
 
 
@@ -129,10 +133,11 @@ def test_a_buffer_is_not_offered_again_before_its_copy_out_ran(comm, make):
         assert first.eq(1.0).all() and second.eq(2.0).all()
 
 
-def test_done_is_handed_on_while_waiting_for_another_message(comm, make):
+def test_a_rank_blocked_in_mpi_does_not_hold_up_what_it_sent(comm, make):
     """Rank 0 sends on tag 1, then waits for what rank 1 sends on tag 2 - which rank 1 sends only
-    after its receive on tag 1 has completed. So rank 0 must send tag 1's "done" while blocked
-    in tag 2's wait (its copy still lags when it gets there); else both wait forever."""
+    after its data of tag 1 has landed. Rank 0's copy still lags when its host blocks in MPI; its
+    device (running on its own, as a GPU does) carries it out, and rank 1's copy out waits for
+    it through rank 0's event, not for a message rank 0's host would have to send."""
     if comm.size < 2:
         pytest.skip("needs a peer")
     tr = make(lag=4)
@@ -147,8 +152,9 @@ def test_done_is_handed_on_while_waiting_for_another_message(comm, make):
         got = torch.zeros(3)
         tr.start([], [(0, got)], tag=1).wait()
         tr.device.compute.record().synchronize()
-        tr.start([(0, got * 2)], [], tag=2).wait()
         assert got.eq(1.0).all()
+        tr.start([(0, got * 2)], [], tag=2).wait()
+        tr.device.compute.record().synchronize()  # the copy ran: got * 2 may go
 
 
 def test_tensors_on_another_device_type_are_refused(comm, make):
@@ -161,8 +167,10 @@ def test_tensors_on_another_device_type_are_refused(comm, make):
 
 
 def test_on_cuda_ring_of_many_requests_and_buffer_reuse(comm):
-    """The same protocol on a GPU (CudaDevice, CUDA IPC through CuPy; the ranks may share one
-    GPU): requests waited in reverse, several dtypes, no new buffers in steady state."""
+    """The same protocol on a GPU (CudaDevice, CUDA IPC through CuPy, interprocess events; the
+    ranks may share one GPU): requests waited in reverse, several dtypes, no new buffers in
+    steady state, and the hosts never wait for the device (a long kernel ahead of the sends is
+    still running when every wait has returned)."""
     import importlib.util
 
     if not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None:
@@ -176,9 +184,12 @@ def test_on_cuda_ring_of_many_requests_and_buffer_reuse(comm):
     sends = [(torch.arange(1000 * k + 1, dtype=torch.float64, device="cuda")
               + 100 * comm.rank).to(dtypes[k % 4]) for k in range(8)]
     recvs = [torch.empty_like(s) for s in sends]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 31)  # about a second of device time ahead of the copies
     reqs = [tr.start([(right, s)], [(left, r)], tag=6) for s, r in zip(sends, recvs)]
     for req in reversed(reqs):
         req.wait()
+    assert not torch.cuda.current_stream().query(), "a start or wait waited for the device"
     for k, r in enumerate(recvs):
         want = (torch.arange(1000 * k + 1, dtype=torch.float64, device="cuda")
                 + 100 * left).to(dtypes[k % 4])

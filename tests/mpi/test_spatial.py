@@ -8,6 +8,7 @@ input gradients on owned rows, parameter gradients after the all-reduce.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from halo.transport.mpi import MPITransport
 from halo.transport.staged import StagedTransport
 from halo.transport.staged_reduce import StagedReducer
 from halo.transport.ipc import IPCTransport
+from halo.transport.ipc_reduce import IPCReducer
 from halo.transport.streams import SimDevice
 from sparsepipe_hpc.nn import (BatchNorm, GlobalPool, SparseConv3d, SparseInverseConv3d,
                                SparseResNet, SparseUNet, SubMConv3d)
@@ -148,22 +150,24 @@ def staged_on_stand_in(comm):
 
 
 class IPCOnStandIn:
-    """Makes IPC device transports, their streams on the CPU stand-in device and their registered
-    buffers in shared memory, and keeps them to close. The lag defers every "done" past its
-    ``start`` (a lag of 2 sent them all in ``start``; more than 5 outruns ``build_plan``, which
-    reads received counts without synchronizing the stand-in, as ``.tolist()`` does on CUDA)."""
+    """Makes IPC device transports and reducers, their streams on the CPU stand-in device and
+    their buffers and events in shared memory, and keeps them to close. No lag: the layers read
+    what a wait delivered on the host at once, where a GPU would read it on the stream."""
 
     def __init__(self) -> None:
-        self.made: list[IPCTransport] = []
+        self.made: list[Any] = []
 
-    def __call__(self, comm):
-        self.made.append(IPCTransport(comm, SimDevice(lag=3)))
+    def transport(self, comm):
+        self.made.append(IPCTransport(comm, SimDevice()))
+        return self.made[-1]
+
+    def reducer(self, comm):
+        self.made.append(IPCReducer(comm, SimDevice()))
         return self.made[-1]
 
     def close(self) -> None:
-        for tr in self.made:
-            tr.close()  # collective over the transport's group
-
+        for made in self.made:
+            made.close()  # collective over its group
 
 
 class CountingReducers:
@@ -182,24 +186,29 @@ class CountingReducers:
 @pytest.mark.parametrize("model", ["unet", "down_up_k3", "bn", "maxpool"])
 def test_device_transport_equals_serial(comm, model, kind, transport):
     """Halo rows, their adjoint and the plans' coordinates through StagedTransport or
-    IPCTransport, and BatchNorm statistics, pooled sums and bucketed gradients through
-    StagedReducer (device -> staging -> MPI -> staging -> device, ordered by stream events; here
-    on the stand-in device, on a GPU the same code on CudaDevice): the serial result, on every
-    grid."""
+    IPCTransport, and BatchNorm statistics, pooled sums and bucketed gradients through the
+    matching reducer (StagedReducer: device -> staging -> MPI -> staging -> device; IPCReducer:
+    device -> peers' devices; ordered by stream events, here on the stand-in device, on a GPU
+    the same code on CudaDevice): the serial result, on every grid."""
     if model == "unet":
         net, align = (lambda: SparseUNet(3, 5, width=4, depth=2)), 4  # noqa: E731
     else:
         net, align = LAYERS[model]
     x = make_cloud(3, kind)
     for grid in grids_for(comm):
-        reducers = CountingReducers()
-        make = IPCOnStandIn() if transport == "ipc" else staged_on_stand_in
-        run_pair(comm, grid, "balanced", net, x, align, transport=make,
-                 reducer=reducers, bucketed=True)
-        if isinstance(make, IPCOnStandIn):
-            make.close()
+        if transport == "ipc":
+            ipc = IPCOnStandIn()
+            run_pair(comm, grid, "balanced", net, x, align, transport=ipc.transport,
+                     reducer=ipc.reducer, bucketed=True)
+            reduced = sum(m.transport.registered for m in ipc.made if isinstance(m, IPCReducer))
+            ipc.close()
+        else:
+            reducers = CountingReducers()
+            run_pair(comm, grid, "balanced", net, x, align, transport=staged_on_stand_in,
+                     reducer=reducers, bucketed=True)
+            reduced = sum(r.pool.allocated for r in reducers.made)
         if comm.size > 1:  # statistics / pooling (spatial) group and the gradient buckets
-            assert sum(r.pool.allocated for r in reducers.made) > 0, "no reduction staged"
+            assert reduced > 0, "no reduction went through the reducer"
 
 
 def odd_cuts(grid, extent, offset):

@@ -1,0 +1,93 @@
+"""All-reduce of device tensors through CUDA IPC: every rank's tensor to every other, summed alike.
+
+    reducer = IPCReducer(comm, CudaDevice())   # comm: ranks of ONE node; collective (a Dup)
+    req = reducer.iallreduce_(stats)           # returns at once
+    ...                                        # enqueue more work on the compute stream
+    req.wait()                                 # the compute stream now waits for the sum
+
+One :class:`~halo.transport.ipc.IPCTransport` exchange per all-reduce sends ``t`` to every other
+rank of the communicator and receives theirs; then each rank reduces the ``n`` tensors in rank
+order with the same kernel on its compute stream, so every rank holds the same result, bit for
+bit (gradients of replicas stay equal). Neither the host nor MPI ever touch the values: the hosts
+trade only the exchange's control messages, and no host waits for its device, where the
+host-staged :class:`~halo.transport.staged_reduce.StagedReducer` waits for each device-to-host
+copy before MPI may read it (a BatchNorm layer's statistics, forward and backward, are two such
+waits per layer). Each rank moves ``(n - 1) * t.nbytes`` each way, as a ring all-reduce would at
+two ranks and more than it at many; the ranks of one node are few, and the reductions this serves
+(BatchNorm statistics, loss counts, gradient buckets) small next to the convolutions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from halo.transport.base import CompletedRequest, Reducer, Request, TransportError
+from halo.transport.collectives import mpi_op
+from halo.transport.ipc import IPCMemory, IPCTransport
+from halo.transport.streams import Device
+
+__all__ = ["IPCReducer"]
+
+
+def _combine(parts: list[torch.Tensor], op: str) -> torch.Tensor:
+    """``op`` over ``parts`` (one tensor per rank, in rank order), in ``parts[0]``'s dtype; a sum
+    of booleans is their "or", as MPI's of 0/1 values narrowed back."""
+    stacked = torch.stack(parts)
+    if op == "sum":
+        return stacked.any(0) if stacked.dtype == torch.bool else stacked.sum(0)
+    return stacked.amax(0) if op == "max" else stacked.amin(0)
+
+
+class _IPCReduction(Request):
+    def __init__(self, owner: "IPCReducer", exchange: Request, t: torch.Tensor,
+                 parts: list[torch.Tensor], op: str) -> None:
+        self._owner, self._exchange, self._t, self._parts, self._op = owner, exchange, t, parts, op
+        self._done = False
+
+    def test(self) -> bool:
+        if not self._done and self._exchange.test():
+            self._finish()
+        return self._done
+
+    def wait(self) -> None:
+        if not self._done:
+            self._exchange.wait()
+            self._finish()
+
+    def _finish(self) -> None:
+        t, parts, op = self._t, self._parts, self._op
+        # On the compute stream, which the exchange made wait for the copies out.
+        self._owner.device.compute.launch(lambda: t.copy_(_combine(parts, op)))
+        self._parts = []
+        self._done = True
+
+
+class IPCReducer(Reducer):
+    """All-reduce of ``device``'s tensors over the ranks of ``comm`` (one node) through CUDA IPC;
+    see the module docstring. Collective to construct: its exchanges run on ``comm.Dup()``, apart
+    from any other transport's messages on ``comm``. ``memory``: as :class:`IPCTransport`'s."""
+
+    def __init__(self, comm: Any, device: Device, memory: Optional[IPCMemory] = None) -> None:
+        self.comm, self.device = comm.Dup(), device
+        self.transport = IPCTransport(self.comm, device, memory)
+
+    def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
+        mpi_op(op)  # a bad op fails here, before anything is enqueued
+        if t.device.type != self.device.type or not t.is_contiguous():
+            raise TransportError(f"IPCReducer: the all-reduce buffer must be a contiguous "
+                                 f"{self.device.type} tensor; got a "
+                                 f"{'' if t.is_contiguous() else 'non-contiguous '}tensor of "
+                                 f"shape {tuple(t.shape)} on {t.device}")
+        n, me = self.comm.Get_size(), self.comm.Get_rank()
+        if n == 1:
+            return CompletedRequest()
+        parts = [t if r == me else torch.empty_like(t) for r in range(n)]
+        others = [r for r in range(n) if r != me]
+        exchange = self.transport.start([(r, t) for r in others], [(r, parts[r]) for r in others],
+                                        tag=0)  # all-reduces match in start order, as MPI's do
+        return _IPCReduction(self, exchange, t, parts, op)
+
+    def close(self) -> None:
+        self.transport.close()
