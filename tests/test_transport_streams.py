@@ -187,6 +187,19 @@ def test_make_reducer_builds_the_resolved_name():
         make_reducer("ipc", comm)
 
 
+def test_ipc_reduces_through_the_host_across_nodes(monkeypatch):
+    """A group spanning nodes (data-parallel replicas) cannot reach its peers by CUDA IPC: with
+    --transport ipc it reduces host-staged."""
+    from mpi4py import MPI
+
+    from halo.transport import select
+    from halo.transport.staged_reduce import StagedReducer
+
+    assert select.one_node(MPI.COMM_SELF)
+    monkeypatch.setattr(select, "one_node", lambda comm: False)
+    assert isinstance(select.make_reducer("ipc", MPI.COMM_SELF, SimDevice()), StagedReducer)
+
+
 def test_importing_the_packages_does_not_import_cupy():
     code = ("import sys, sparsepipe_hpc, halo, halo.transport, halo.transport.streams, "
             "halo.transport.staged, halo.transport.collectives, sparsepipe_hpc.train.loop, "

@@ -8,24 +8,28 @@
 Protocol, per exchange and peer, with small host MPI control messages:
 
     receiver: takes a registered buffer from its pool per (peer, tag) (its own allocation, so its
-              IPC handle covers exactly it; power-of-two sizes, reused once the copy out of it
-              has run) and sends the sender its handle ("ready": the buffer may be written)
-    sender:   waits for "ready", opens the handle (once per buffer) and enqueues the copy of its
-              tensor into it on the communication stream, after the compute stream's event;
-              records its interprocess event for that buffer after the copy and sends "done"
-              with the event's handle at once
+              IPC handle covers exactly it; power-of-two sizes) and sends the sender its handle
+              ("ready": the buffer may be written)
+    sender:   once "ready" has arrived, opens the handle (once per buffer), enqueues the copy of
+              its tensor into it on the communication stream, after the compute stream's event
+              of ``start``, records its interprocess event for that buffer and sends "done" with
+              the event's handle and the bytes written
     receiver: on "done", makes its communication stream wait for the sender's event (opened once
-              per handle), copies the buffer into the receive tensor there; ``wait`` makes the
+              per handle) and copies the buffer into the receive tensor there; ``wait`` makes the
               compute stream wait for that copy
 
-So neither ``start`` nor ``wait`` makes the host wait for the device: the hosts meet only in the
-control messages, and the device work is ordered by events across processes, as NCCL orders its
-own. An event is recorded again only once its buffer is offered again, which its receiver does
-after it enqueued the wait on the last record (CUDA waits for the latest record at the time of
-the wait). One limit: ``start`` meets each send peer's ``start`` of the same exchange (it needs
-that peer's "ready"): start an exchange's sends and receives in one call, in the same order on
-every rank (as the halo exchanges and plans do). A send-only start followed by a receive-only one
-on both ranks would wait for each other.
+Neither ``start`` nor ``wait`` makes the host wait for the device: the hosts trade only control
+messages, and device work is ordered across processes by events, as NCCL orders its own. An event
+is recorded again only for its buffer's next use, which its receiver offers only once the copy
+out of it has run, long after the wait on the last record was enqueued (CUDA waits for the latest
+record at the time of the wait). ``start`` does not wait for "ready" either: a send whose "ready"
+has not arrived is carried out by the next call into any IPC transport of the process (every
+``start``, ``test``, ``wait`` and ``progress``), so ranks may start exchanges in different orders
+(a gradient bucket one rank starts in backward and another only at the end) as long as each
+waits for them in an order its peers can follow. A rank blocked in MPI outside these transports
+hands nothing on: call ``progress`` in such loops (the pipeline's stage transfers do). A host may
+run ahead of its device by at most ``MAX_PENDING`` buffers per (peer, tag); at that point it
+waits for the oldest copy out rather than register yet another buffer.
 
 Where the buffers and events live is the ``memory``: :class:`CudaIPCMemory` (``cudaMalloc`` and
 IPC handles through CuPy, interprocess events through torch, both imported on construction), or
@@ -36,6 +40,8 @@ IPC handles through CuPy, interprocess events through torch, both imported on co
 
 from __future__ import annotations
 
+import time
+import weakref
 from typing import Any, Optional, Protocol
 
 import torch
@@ -46,6 +52,7 @@ from halo.transport.streams import SYNC_TIMEOUT_S, Device, Event, Stream, Stream
 __all__ = ["IPCTransport", "IPCMemory", "CudaIPCMemory", "SimIPCMemory"]
 
 _CONTROL_TAG_BASE = 1 << 20  # control messages live above the data tags
+MAX_PENDING = 4  # registered buffers per (peer, tag) whose copy out may still be queued
 PREFIX = "sparsepipe-ipc-"  # SimIPCMemory's files: /dev/shm/sparsepipe-ipc-<pid>-<n>
 
 
@@ -165,8 +172,6 @@ class _SimPeerEvent(Event):
         return self.done
 
     def synchronize(self) -> None:
-        import time
-
         deadline = time.monotonic() + SYNC_TIMEOUT_S
         while not self.done:
             if time.monotonic() > deadline:
@@ -266,42 +271,70 @@ class _Target:
         self.data, self.event, self.event_handle = data, event, event_handle
 
 
+class _Send:
+    """One tensor of a ``start`` for ``peer``: carried out once the peer's "ready" arrives."""
+
+    def __init__(self, peer: int, tensor: torch.Tensor, ready: Any, tag: int) -> None:
+        self.peer, self.tensor, self.ready, self.tag = peer, tensor, ready, tag
+        self.done: Any = None  # the "done" message once sent
+
+
 _PENDING = object()  # a "done" not arrived yet
+_live: "weakref.WeakSet[IPCTransport]" = weakref.WeakSet()  # every open one: progress_all
+
+
+def progress_all() -> bool:
+    """Carry out every open IPC transport's sends whose "ready" has arrived; True while some
+    wait for theirs."""
+    held = False
+    for tr in list(_live):
+        held = tr._send_ready() or held
+    return held
 
 
 class _IPCRequest(Request):
     def __init__(self, owner: "IPCTransport", recvs: list[tuple[torch.Tensor, _Registered]],
-                 done_from: list[Any], sent: list[Any]) -> None:
-        self._owner, self._recvs, self._done_from, self._sent = owner, recvs, done_from, sent
-        self._events: list[Any] = [_PENDING] * len(recvs)  # each sender's event handle
+                 done_from: list[Any], sends: list[_Send], ready_sent: list[Any]) -> None:
+        self._owner, self._recvs, self._done_from = owner, recvs, done_from
+        self._sends, self._ready_sent = sends, ready_sent
+        self._dones: list[Any] = [_PENDING] * len(recvs)  # each sender's (event handle, bytes)
         self._finished = False
 
+    def _complete(self) -> bool:
+        """Progress every IPC transport; True once every message of this request has gone and
+        every peer's "done" has arrived."""
+        progress_all()
+        for j, req in enumerate(self._done_from):
+            if self._dones[j] is _PENDING:
+                arrived, msg = req.test()
+                if arrived:
+                    self._dones[j] = msg
+        return (_PENDING not in self._dones
+                and all(s.done is not None and s.done.Test() for s in self._sends)
+                and all(r.Test() for r in self._ready_sent))
+
     def test(self) -> bool:
-        if not self._finished:
-            for j, req in enumerate(self._done_from):
-                if self._events[j] is _PENDING:
-                    arrived, handle = req.test()
-                    if arrived:
-                        self._events[j] = handle
-            if _PENDING not in self._events and all(r.Test() for r in self._sent):
-                self._finish()
+        if not self._finished and self._complete():
+            self._finish()
         return self._finished
 
     def wait(self) -> None:
-        if self._finished:
-            return
-        for j, req in enumerate(self._done_from):  # the peers' hosts, never a device
-            if self._events[j] is _PENDING:
-                self._events[j] = req.wait()
-        for r in self._sent:
-            r.Wait()
-        self._finish()
+        polls = 0
+        while not self._finished and not self._complete():  # the peers' hosts, never a device
+            polls += 1
+            time.sleep(0 if polls < 100 else 1e-4)  # yield to ranks sharing this core
+        if not self._finished:
+            self._finish()
 
     def _finish(self) -> None:
         o = self._owner
-        for (t, buf), handle in zip(self._recvs, self._events):
-            if handle is not None:  # a peer's copy into buf: after its event
-                o.memory.wait(o.stream, handle)
+        for (t, buf), (event_handle, nbytes) in zip(self._recvs, self._dones):
+            if nbytes != t.nbytes:
+                raise TransportError(f"IPCTransport: a peer sent {nbytes} bytes where the "
+                                     f"receive tensor has {t.nbytes}; start exchanges in the "
+                                     f"same order with matching sizes on every rank")
+            if event_handle is not None:  # a peer's copy into buf: after its event
+                o.memory.wait(o.stream, event_handle)
             o.stream.copy_(_bytes(t), buf.data[:t.nbytes])
         # The receive tensors' consumers, and whatever overwrites the send tensors, on the compute
         # stream after the copies out and in (both on this stream).
@@ -326,14 +359,23 @@ class IPCTransport(Transport):
         self.stream = device.new_stream("ipc")
         self._buffers: dict[tuple[int, int], list[_Registered]] = {}  # (peer, tag) -> pool
         self._targets: dict[bytes, _Target] = {}  # buffer handle -> where our copies go
+        self._unsent: list[_Send] = []  # started, "ready" not arrived yet
+        self.closed = False
+        _live.add(self)
 
     def _acquire(self, peer: int, tag: int, nbytes: int) -> _Registered:
-        """The smallest free registered buffer for (peer, tag) that holds ``nbytes``, else a new
+        """The smallest free registered buffer for (peer, tag) that holds ``nbytes``; else, with
+        MAX_PENDING of them waiting for their copy out, the first once that has run; else a new
         one of the next power of two (at least 256 bytes)."""
         pool = self._buffers.setdefault((peer, tag), [])
-        fits = [b for b in pool if b.capacity >= nbytes and b.free()]
-        if fits:
-            buf = min(fits, key=lambda b: b.capacity)
+        fits = [b for b in pool if b.capacity >= nbytes and not b.busy]
+        free = [b for b in fits if b.free()]
+        if not free and len(fits) >= MAX_PENDING:
+            assert fits[0].copied is not None  # not busy, not free: its copy out is queued
+            fits[0].copied.synchronize()  # the host has run far enough ahead of the device
+            free = fits[:1]
+        if free:
+            buf = min(free, key=lambda b: b.capacity)
         else:
             buf = _Registered(*self.memory.alloc(max(256, 1 << max(0, nbytes - 1).bit_length())))
             # A send to ourselves writes it directly: CUDA opens only other processes' handles
@@ -351,21 +393,55 @@ class IPCTransport(Transport):
                                                      *self.memory.event())
         return target
 
+    def _send_ready(self) -> bool:
+        """Carry out the sends whose "ready" has arrived: the copy into the peer's buffer, our
+        event after it, "done"; True while some still wait for theirs."""
+        waiting, behind = [], set()
+        for s in self._unsent:
+            # In start order per (peer, tag): the peer matches our "done"s in that order.
+            arrived, msg = (False, ()) if (s.peer, s.tag) in behind else s.ready.test()
+            if not arrived:
+                waiting.append(s)
+                behind.add((s.peer, s.tag))
+                continue
+            handle, capacity = msg
+            nbytes = s.tensor.nbytes
+            if capacity < nbytes:
+                raise TransportError(f"IPCTransport: rank {s.peer} offered {capacity} bytes for "
+                                     f"a send of {nbytes}; start exchanges in the same order "
+                                     f"with matching sizes on every rank")
+            target = self._target(handle, capacity)
+            self.stream.copy_(target.data[:nbytes], _bytes(s.tensor))
+            if target.event is not None:
+                self.memory.record(target.event, self.stream)
+            s.done = self.comm.isend((target.event_handle, nbytes), dest=s.peer, tag=s.tag)
+        self._unsent = waiting
+        return bool(waiting)
+
     @property
     def registered(self) -> int:
         """Receive buffers allocated so far (a leak shows as growth)."""
         return sum(len(pool) for pool in self._buffers.values())
 
+    def progress(self) -> bool:
+        return progress_all()
+
     def close(self) -> None:
         """Release every buffer and event. Collective over the communicator, after every request
         has completed on every rank: each rank unmaps its peers' buffers, and frees its own only
-        once every peer has unmapped them."""
+        once every peer has unmapped them. Closing again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        _live.discard(self)
         self._buffers, self._targets = {}, {}
         self.memory.close_opened()
         self.comm.Barrier()
         self.memory.free_own()
 
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
+        if self.closed:
+            raise TransportError("IPCTransport: start after close (its buffers are freed)")
         if not sends and not recvs:
             return CompletedRequest()
         for peer, t in sends + recvs:
@@ -374,22 +450,17 @@ class IPCTransport(Transport):
                                      f"contiguous {self.device.type} tensor; got one on "
                                      f"{t.device}")
         ctrl = _CONTROL_TAG_BASE + 2 * tag  # ready on ctrl, done on ctrl + 1: no overlap
-        mine, done_from, sent = [], [], []
-        for peer, t in recvs:  # "ready" first on every rank, so no rank blocks on another
+        mine, done_from, ready_sent = [], [], []
+        for peer, t in recvs:
             buf = self._acquire(peer, tag, t.nbytes)
-            sent.append(self.comm.isend((buf.handle, buf.capacity), dest=peer, tag=ctrl))
+            ready_sent.append(self.comm.isend((buf.handle, buf.capacity), dest=peer, tag=ctrl))
             done_from.append(self.comm.irecv(source=peer, tag=ctrl + 1))
             mine.append((t, buf))
         # After the producers of the send tensors and the last readers of the receive tensors
         # (the copy-out in _finish overwrites them) on the compute stream.
         self.stream.wait_event(self.device.compute.record())
-        written = []
-        for peer, t in sends:
-            target = self._target(*self.comm.recv(source=peer, tag=ctrl))  # its "ready"
-            self.stream.copy_(target.data[:t.nbytes], _bytes(t))
-            written.append((peer, target))
-        for peer, target in written:  # "done" once every copy is enqueued, not once it ran
-            if target.event is not None:
-                self.memory.record(target.event, self.stream)
-            sent.append(self.comm.isend(target.event_handle, dest=peer, tag=ctrl + 1))
-        return _IPCRequest(self, mine, done_from, sent)
+        out = [_Send(peer, t, self.comm.irecv(source=peer, tag=ctrl), ctrl + 1)
+               for peer, t in sends]
+        self._unsent.extend(out)
+        progress_all()
+        return _IPCRequest(self, mine, done_from, out, ready_sent)

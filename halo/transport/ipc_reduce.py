@@ -8,7 +8,8 @@
 One :class:`~halo.transport.ipc.IPCTransport` exchange per all-reduce sends ``t`` to every other
 rank of the communicator and receives theirs; then each rank reduces the ``n`` tensors in rank
 order with the same kernel on its compute stream, so every rank holds the same result, bit for
-bit (gradients of replicas stay equal). Neither the host nor MPI ever touch the values: the hosts
+bit (gradients of replicas stay equal). Started all-reduces match in start order, as MPI's do;
+a start never waits for the peers'. Neither the host nor MPI ever touch the values: the hosts
 trade only the exchange's control messages, and no host waits for its device, where the
 host-staged :class:`~halo.transport.staged_reduce.StagedReducer` waits for each device-to-host
 copy before MPI may read it (a BatchNorm layer's statistics, forward and backward, are two such
@@ -32,8 +33,8 @@ __all__ = ["IPCReducer"]
 
 
 def _combine(parts: list[torch.Tensor], op: str) -> torch.Tensor:
-    """``op`` over ``parts`` (one tensor per rank, in rank order), in ``parts[0]``'s dtype; a sum
-    of booleans is their "or", as MPI's of 0/1 values narrowed back."""
+    """``op`` over ``parts`` (one tensor per rank, in rank order); a sum of booleans is their
+    "or", as MPI's sum of 0/1 values narrowed back to bool (integer sums come back as int64)."""
     stacked = torch.stack(parts)
     if op == "sum":
         return stacked.any(0) if stacked.dtype == torch.bool else stacked.sum(0)
@@ -90,4 +91,6 @@ class IPCReducer(Reducer):
         return _IPCReduction(self, exchange, t, parts, op)
 
     def close(self) -> None:
-        self.transport.close()
+        if not self.transport.closed:
+            self.transport.close()
+            self.comm.Free()

@@ -26,7 +26,7 @@ from halo.transport.base import Reducer, Transport, TransportError
 from halo.transport.streams import Device
 
 __all__ = ["TRANSPORTS", "DEVICE_TRANSPORTS", "choose_transport", "make_transport",
-           "make_reducer"]
+           "make_reducer", "one_node"]
 
 TRANSPORTS = ("auto", "nccl", "ipc", "staged", "mpi")
 DEVICE_TRANSPORTS = ("nccl", "ipc", "staged")
@@ -89,11 +89,23 @@ def make_transport(name: str, comm: Any, device: Optional[Device] = None) -> Tra
     return NCCLTransport(comm, device)
 
 
+def one_node(comm: Any) -> bool:
+    """Whether every rank of the mpi4py communicator ``comm`` shares this rank's node
+    (collective)."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return bool(local.Get_size() == comm.Get_size())
+    finally:
+        local.Free()
+
+
 def make_reducer(name: str, comm: Any, device: Optional[Device] = None) -> Optional[Reducer]:
     """The all-reduce of ``device``'s tensors over ``comm`` for the resolved transport ``name``:
     None for "mpi" (host tensors, reduced where they lie), NCCL's for "nccl" (a communicator of
-    its own), CUDA IPC's for "ipc" (on a ``comm.Dup()``; both collective over ``comm``),
-    host-staged MPI on a stream of ``device`` for "staged"."""
+    its own), CUDA IPC's for "ipc" (on a ``comm.Dup()``; both collective over ``comm``) where
+    every rank of ``comm`` is on this node, else host-staged MPI on a stream of ``device``."""
     if name == "mpi":
         return None
     if name not in DEVICE_TRANSPORTS:
@@ -106,7 +118,7 @@ def make_reducer(name: str, comm: Any, device: Optional[Device] = None) -> Optio
         from halo.transport.nccl import NCCLTransport
 
         return NCCLTransport(comm, device)
-    if name == "ipc":
+    if name == "ipc" and one_node(comm):  # replicas on other nodes: no CUDA IPC to them
         from halo.transport.ipc_reduce import IPCReducer
 
         return IPCReducer(comm, device)

@@ -117,6 +117,10 @@ class SimEvent(Event):
             if not elsewhere:
                 break
             time.sleep(0.001)
+        if time.monotonic() >= deadline:
+            raise StreamError(f"synchronize on an event of stream {self._stream.name!r}: "
+                              f"another process's work it waits for did not run within "
+                              f"{SYNC_TIMEOUT_S:.0f} s (a held stream there?)")
         raise StreamError(f"synchronize on an event of stream {self._stream.name!r}, which is "
                           f"held or waits on a held stream: the host would block forever")
 
@@ -209,17 +213,21 @@ class SimDevice(Device):
     def runs_elsewhere(self) -> bool:
         """True while work can complete without this host's ticks: the device's own thread, or
         a stream held up by another process's event."""
-        return self.autonomous or any(s.waits_elsewhere() for s in self.streams)
+        held = any(s.held for s in self.streams)  # its own thread cannot get past those
+        return (self.autonomous and not held) or any(s.waits_elsewhere() for s in self.streams)
 
 
 def _tick(device: "weakref.ref[SimDevice]") -> None:
-    """An autonomous stand-in's clock: a tick every half millisecond while the device lives."""
+    """An autonomous stand-in's clock: a tick every half millisecond while it has work queued,
+    every 20 ms while idle, until the device is gone."""
+    busy = True
     while True:
-        time.sleep(0.0005)
+        time.sleep(0.0005 if busy else 0.02)
         dev = device()
         if dev is None:
             return
         dev.pump()
+        busy = any(s._queue for s in dev.streams)
         del dev
 
 

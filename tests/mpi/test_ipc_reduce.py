@@ -124,10 +124,58 @@ def test_a_reduce_group_routes_its_device_tensors_to_the_reducer(comm, make):
         assert red.transport.registered > 0, "the group's tensors did not go through its reducer"
 
 
+def test_buckets_started_in_different_orders_around_blocking_all_reduces(comm, make):
+    """Gradient buckets through an IPCReducer, with a BatchNorm-like blocking all-reduce (on
+    another IPCReducer) in backward, and one bucket that rank 0 starts in backward and the other
+    ranks only in ``finish`` (they did not use its parameters): no start waits for a peer's,
+    so nothing hangs, and the sums are MPI's."""
+    import copy
+
+    from sparsepipe_hpc.parallel.gradients import GradientReducer
+
+    stats = ReduceGroup(comm, make())
+
+    class Stats(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            n = torch.ones(1)
+            allreduce_(n, stats)  # blocking, as BatchNorm's statistics
+            assert n.item() == comm.size
+            return g
+
+    torch.manual_seed(0)
+    head, tail = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+    def step(head, tail):
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(comm.rank))
+        y = Stats.apply(head(x))
+        out = tail(y) if comm.rank == 0 else y * 1.0  # the others leave `tail` unused
+        out.sum().backward()
+
+    ref_head, ref_tail = copy.deepcopy(head), copy.deepcopy(tail)
+    step(ref_head, ref_tail)
+    want = [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+            for p in [*ref_head.parameters(), *ref_tail.parameters()]]
+    for w in want:
+        allreduce_(w, comm)
+    r = GradientReducer([*head.parameters(), *tail.parameters()], comm, 1,
+                        reducer=lambda c: IPCReducer(c, SimDevice()))
+    r.arm()
+    step(head, tail)
+    r.finish()
+    r.close()
+    for p, w in zip([*head.parameters(), *tail.parameters()], want):
+        torch.testing.assert_close(p.grad, w)
+
+
 def test_on_cuda_sums_agree_and_the_host_never_waits(comm):
     """On a GPU (CudaDevice, CUDA IPC; the ranks may share one): several dtypes and ops equal
-    MPI's, the float32 sums bit for bit on every rank, and a long kernel ahead of the
-    all-reduces is still running when every wait has returned."""
+    MPI's, the float32 sums bit for bit on every rank. Rank 0 makes its tensors behind a long
+    kernel: every host goes on, and every rank's sum waits for rank 0's through its events."""
     import importlib.util
 
     if not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None:
@@ -140,13 +188,18 @@ def test_on_cuda_sums_agree_and_the_host_never_waits(comm):
     host = [torch.randn(4096, generator=g), (torch.arange(100) * (comm.rank + 1)),
             torch.randn(333, generator=g).half()]
     ops = ["sum", "max", "sum"]
-    ts = [h.cuda() for h in host]
+    made = [h.cuda() for h in host]
+    ts = [torch.zeros_like(m) for m in made]
     torch.cuda.synchronize()
-    torch.cuda._sleep(1 << 31)  # about a second of device time ahead of the all-reduces
+    if comm.rank == 0:
+        torch.cuda._sleep(1 << 31)  # about a second of device time before the tensors are made
+    for t, m in zip(ts, made):
+        t.copy_(m)  # on the device: the host goes on
     reqs = [red.iallreduce_(t, op) for t, op in zip(ts, ops)]
     for req in reversed(reqs):
         req.wait()
-    assert not torch.cuda.current_stream().query(), "an all-reduce waited for the device"
+    if comm.size > 1:
+        assert not torch.cuda.current_stream().query(), "an all-reduce waited for the device"
     for h, t, op in zip(host, ts, ops):
         want = h.double() if h.is_floating_point() else h.clone()
         allreduce_(want, comm, op)

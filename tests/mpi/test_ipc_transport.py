@@ -9,10 +9,13 @@ tests/test_transport_gpu.py, tests/mpi/test_spatial_gpu.py)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
-from halo.transport.ipc import IPCTransport, SimIPCMemory
+from halo.transport.base import TransportError
+from halo.transport.ipc import MAX_PENDING, IPCTransport, SimIPCMemory
 from halo.transport.streams import SimDevice
 
 
@@ -22,8 +25,10 @@ def make(comm):
     with it (a peer may write into our buffers until its last request completes)."""
     made: list[IPCTransport] = []
 
-    def build(lag: int = 0) -> IPCTransport:  # a lagging device runs on its own, as a GPU does
-        made.append(IPCTransport(comm, SimDevice(lag=lag, autonomous=lag > 0), SimIPCMemory()))
+    def build(lag: int = 0, autonomous: Optional[bool] = None) -> IPCTransport:
+        """A lagging device runs on its own, as a GPU does, unless told not to."""
+        own = lag > 0 if autonomous is None else autonomous
+        made.append(IPCTransport(comm, SimDevice(lag=lag, autonomous=own), SimIPCMemory()))
         return made[-1]
 
     yield build
@@ -157,9 +162,41 @@ def test_a_rank_blocked_in_mpi_does_not_hold_up_what_it_sent(comm, make):
         tr.device.compute.record().synchronize()  # the copy ran: got * 2 may go
 
 
-def test_tensors_on_another_device_type_are_refused(comm, make):
-    from halo.transport.base import TransportError
+def test_a_host_runs_at_most_max_pending_buffers_ahead_of_its_device(comm, make):
+    """A receiver whose copies out have not run (a slow device, the host running ahead) offers
+    new buffers for up to MAX_PENDING of them per (peer, tag), then waits for the oldest copy
+    out instead of registering more."""
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    if comm.rank == 0:
+        tr = make()
+        for v in range(3 * MAX_PENDING):
+            tr.start([(1, torch.full((8,), float(v)))], [], tag=8).wait()
+    elif comm.rank == 1:
+        tr = make(lag=1000, autonomous=False)  # runs only when the host makes it
+        got = [torch.zeros(8) for _ in range(3 * MAX_PENDING)]
+        for g in got:
+            tr.start([], [(0, g)], tag=8).wait()
+        assert tr.registered == MAX_PENDING
+        tr.device.compute.record().synchronize()
+        assert all(g.eq(float(v)).all() for v, g in enumerate(got))
+    else:
+        make()
 
+
+def test_a_size_mismatch_is_an_error_not_garbage(comm, make):
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    tr = make()
+    if comm.rank == 0:
+        tr.start([(1, torch.zeros(2))], [], tag=9).wait()
+    elif comm.rank == 1:
+        with pytest.raises(TransportError, match="a peer sent 8 bytes where the receive tensor "
+                                                 "has 16; start exchanges in the same order"):
+            tr.start([], [(0, torch.zeros(4))], tag=9).wait()
+
+
+def test_tensors_on_another_device_type_are_refused(comm, make):
     tr = make()
     tr.device.type = "cuda"  # the stand-in posing as a GPU: CPU tensors are then wrong
     with pytest.raises(TransportError, match="must be a contiguous cuda tensor; got one on cpu"):
@@ -169,8 +206,8 @@ def test_tensors_on_another_device_type_are_refused(comm, make):
 def test_on_cuda_ring_of_many_requests_and_buffer_reuse(comm):
     """The same protocol on a GPU (CudaDevice, CUDA IPC through CuPy, interprocess events; the
     ranks may share one GPU): requests waited in reverse, several dtypes, no new buffers in
-    steady state, and the hosts never wait for the device (a long kernel ahead of the sends is
-    still running when every wait has returned)."""
+    steady state. Rank 0 makes its sends behind a long kernel: every host goes on (no wait
+    waits for a device), and its receiver gets the data only through rank 0's events."""
     import importlib.util
 
     if not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None:
@@ -181,19 +218,25 @@ def test_on_cuda_ring_of_many_requests_and_buffer_reuse(comm):
     tr = IPCTransport(comm, CudaDevice())
     right, left = ring(comm)
     dtypes = [torch.float32, torch.float16, torch.int64, torch.bool]
-    sends = [(torch.arange(1000 * k + 1, dtype=torch.float64, device="cuda")
-              + 100 * comm.rank).to(dtypes[k % 4]) for k in range(8)]
+
+    def values(k: int, rank: int) -> torch.Tensor:
+        return (torch.arange(1000 * k + 1, dtype=torch.float64, device="cuda")
+                + 100 * rank).to(dtypes[k % 4])
+
+    sends = [torch.zeros_like(values(k, 0)) for k in range(8)]
     recvs = [torch.empty_like(s) for s in sends]
     torch.cuda.synchronize()
-    torch.cuda._sleep(1 << 31)  # about a second of device time ahead of the copies
+    if comm.rank == 0:
+        torch.cuda._sleep(1 << 31)  # about a second of device time before the sends are made
+    for k, s in enumerate(sends):
+        s.copy_(values(k, comm.rank))
     reqs = [tr.start([(right, s)], [(left, r)], tag=6) for s, r in zip(sends, recvs)]
     for req in reversed(reqs):
         req.wait()
-    assert not torch.cuda.current_stream().query(), "a start or wait waited for the device"
+    if comm.size > 1 and comm.rank in (0, 1):  # rank 0 and its receiver
+        assert not torch.cuda.current_stream().query(), "a start or wait waited for the device"
     for k, r in enumerate(recvs):
-        want = (torch.arange(1000 * k + 1, dtype=torch.float64, device="cuda")
-                + 100 * left).to(dtypes[k % 4])
-        assert torch.equal(r, want), k  # torch.equal reads r after the compute stream's wait
+        assert torch.equal(r, values(k, left)), k  # read after the compute stream's wait
     made = tr.registered
     for _ in range(3):
         tr.start([(right, sends[1])], [(left, recvs[1])], tag=6).wait()
