@@ -399,11 +399,12 @@ class IPCTransport(Transport):
         waiting, behind = [], set()
         for s in self._unsent:
             # In start order per (peer, tag): the peer matches our "done"s in that order.
-            arrived, msg = (False, ()) if (s.peer, s.tag) in behind else s.ready.test()
+            arrived, msg = (False, None) if (s.peer, s.tag) in behind else s.ready.test()
             if not arrived:
                 waiting.append(s)
                 behind.add((s.peer, s.tag))
                 continue
+            assert msg is not None  # "ready" is (handle, capacity)
             handle, capacity = msg
             nbytes = s.tensor.nbytes
             if capacity < nbytes:
