@@ -319,12 +319,20 @@ class _IPCRequest(Request):
         return self._finished
 
     def wait(self) -> None:
+        if self._finished:
+            return
         polls = 0
-        while not self._finished and not self._complete():  # the peers' hosts, never a device
+        while not self._complete():  # waits for the peers' hosts, never for a device
+            if not progress_all():  # nothing of ours waits for a "ready": block in MPI
+                for j, req in enumerate(self._done_from):
+                    if self._dones[j] is _PENDING:
+                        self._dones[j] = req.wait()
+                for r in [s.done for s in self._sends] + self._ready_sent:
+                    r.Wait()
+                break
             polls += 1
             time.sleep(0 if polls < 100 else 1e-4)  # yield to ranks sharing this core
-        if not self._finished:
-            self._finish()
+        self._finish()
 
     def _finish(self) -> None:
         o = self._owner
