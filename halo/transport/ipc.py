@@ -27,7 +27,8 @@ has not arrived is carried out by the next call into any IPC transport of the pr
 ``start``, ``test``, ``wait`` and ``progress``), so ranks may start exchanges in different orders
 (a gradient bucket one rank starts in backward and another only at the end) as long as each
 waits for them in an order its peers can follow. A rank blocked in MPI outside these transports
-hands nothing on: call ``progress`` in such loops (the pipeline's stage transfers do). A host may
+(a host collective, a staged transfer) hands nothing on: wait for its IPC exchanges before
+calls its peers reach only after theirs, or call ``progress`` while blocked. A host may
 run ahead of its device by at most ``MAX_PENDING`` buffers per (peer, tag); at that point it
 waits for the oldest copy out rather than register yet another buffer.
 
@@ -35,13 +36,13 @@ Where the buffers and events live is the ``memory``: :class:`CudaIPCMemory` (``c
 IPC handles through CuPy, interprocess events through torch, both imported on construction), or
 :class:`SimIPCMemory`, files in ``/dev/shm``, for the CPU stand-in device
 (:class:`~halo.transport.streams.SimDevice`): the same protocol between the processes of an
-``mpirun`` on a CPU (tests/mpi/test_ipc_transport.py).
+``mpirun`` on a CPU (tests/mpi/test_ipc_transport.py). Constructing a transport is collective
+(it duplicates its communicator).
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any, Optional, Protocol
 
 import torch
@@ -51,7 +52,6 @@ from halo.transport.streams import SYNC_TIMEOUT_S, Device, Event, Stream, Stream
 
 __all__ = ["IPCTransport", "IPCMemory", "CudaIPCMemory", "SimIPCMemory"]
 
-_CONTROL_TAG_BASE = 1 << 20  # control messages live above the data tags
 MAX_PENDING = 4  # registered buffers per (peer, tag) whose copy out may still be queued
 PREFIX = "sparsepipe-ipc-"  # SimIPCMemory's files: /dev/shm/sparsepipe-ipc-<pid>-<n>
 
@@ -280,7 +280,7 @@ class _Send:
 
 
 _PENDING = object()  # a "done" not arrived yet
-_live: "weakref.WeakSet[IPCTransport]" = weakref.WeakSet()  # every open one: progress_all
+_live: "set[IPCTransport]" = set()  # every open one (until close): progress_all
 
 
 def progress_all() -> bool:
@@ -359,7 +359,9 @@ class IPCTransport(Transport):
     memory on the CPU stand-in)."""
 
     def __init__(self, comm: Any, device: Device, memory: Optional[IPCMemory] = None) -> None:
-        self.comm, self.device = comm, device
+        # Its own communicator (collective): its control tags 2 * tag and 2 * tag + 1 stay small
+        # (MPI promises tags up to 32767 only) and apart from any other messages on ``comm``.
+        self.comm, self.device = comm.Dup(), device
         if memory is None:
             memory = (CudaIPCMemory(getattr(device, "device", torch.device("cuda")))
                       if device.type == "cuda" else SimIPCMemory())
@@ -373,15 +375,17 @@ class IPCTransport(Transport):
 
     def _acquire(self, peer: int, tag: int, nbytes: int) -> _Registered:
         """The smallest free registered buffer for (peer, tag) that holds ``nbytes``; else, with
-        MAX_PENDING of them waiting for their copy out, the first once that has run; else a new
-        one of the next power of two (at least 256 bytes)."""
+        MAX_PENDING of them waiting for their copy out, the smallest once its copy out has run
+        (device work only: it never needs a host); else a new one of the next power of two (at
+        least 256 bytes)."""
         pool = self._buffers.setdefault((peer, tag), [])
         fits = [b for b in pool if b.capacity >= nbytes and not b.busy]
         free = [b for b in fits if b.free()]
         if not free and len(fits) >= MAX_PENDING:
-            assert fits[0].copied is not None  # not busy, not free: its copy out is queued
-            fits[0].copied.synchronize()  # the host has run far enough ahead of the device
-            free = fits[:1]
+            smallest = min(fits, key=lambda b: b.capacity)
+            assert smallest.copied is not None  # not busy, not free: its copy out is queued
+            smallest.copied.synchronize()  # the host has run far enough ahead of the device
+            free = [b for b in fits if b.free()]
         if free:
             buf = min(free, key=lambda b: b.capacity)
         else:
@@ -404,28 +408,36 @@ class IPCTransport(Transport):
     def _send_ready(self) -> bool:
         """Carry out the sends whose "ready" has arrived: the copy into the peer's buffer, our
         event after it, "done"; True while some still wait for theirs."""
-        waiting, behind = [], set()
-        for s in self._unsent:
-            # In start order per (peer, tag): the peer matches our "done"s in that order.
-            arrived, msg = (False, None) if (s.peer, s.tag) in behind else s.ready.test()
-            if not arrived:
-                waiting.append(s)
-                behind.add((s.peer, s.tag))
-                continue
-            assert msg is not None  # "ready" is (handle, capacity)
-            handle, capacity = msg
-            nbytes = s.tensor.nbytes
-            if capacity < nbytes:
-                raise TransportError(f"IPCTransport: rank {s.peer} offered {capacity} bytes for "
-                                     f"a send of {nbytes}; start exchanges in the same order "
-                                     f"with matching sizes on every rank")
-            target = self._target(handle, capacity)
-            self.stream.copy_(target.data[:nbytes], _bytes(s.tensor))
-            if target.event is not None:
-                self.memory.record(target.event, self.stream)
-            s.done = self.comm.isend((target.event_handle, nbytes), dest=s.peer, tag=s.tag)
-        self._unsent = waiting
+        waiting: list[_Send] = []
+        behind: set[tuple[int, int]] = set()
+        todo, self._unsent = self._unsent, []
+        try:
+            while todo:
+                self._carry_out(todo.pop(0), behind, waiting)
+        finally:  # after an error too: the failed send dropped, the rest still unsent
+            self._unsent = waiting + todo
         return bool(waiting)
+
+    def _carry_out(self, s: _Send, behind: set[tuple[int, int]], waiting: list[_Send]) -> None:
+        """:meth:`_send_ready` for one send: carried out, or onto ``waiting`` (and its (peer,
+        tag) onto ``behind``: the peer matches our "done"s in start order)."""
+        arrived, msg = (False, None) if (s.peer, s.tag) in behind else s.ready.test()
+        if not arrived:
+            waiting.append(s)
+            behind.add((s.peer, s.tag))
+            return
+        assert msg is not None  # "ready" is (handle, capacity)
+        handle, capacity = msg
+        nbytes = s.tensor.nbytes
+        if capacity < nbytes:
+            raise TransportError(f"IPCTransport: rank {s.peer} offered {capacity} bytes for a "
+                                 f"send of {nbytes}; start exchanges in the same order with "
+                                 f"matching sizes on every rank")
+        target = self._target(handle, capacity)
+        self.stream.copy_(target.data[:nbytes], _bytes(s.tensor))
+        if target.event is not None:
+            self.memory.record(target.event, self.stream)
+        s.done = self.comm.isend((target.event_handle, nbytes), dest=s.peer, tag=s.tag)
 
     @property
     def registered(self) -> int:
@@ -441,12 +453,16 @@ class IPCTransport(Transport):
         once every peer has unmapped them. Closing again does nothing."""
         if self.closed:
             return
+        if self._unsent:
+            raise TransportError(f"IPCTransport: close with {len(self._unsent)} send(s) still "
+                                 f"waiting for their peer's start; wait for every request first")
         self.closed = True
         _live.discard(self)
         self._buffers, self._targets = {}, {}
         self.memory.close_opened()
         self.comm.Barrier()
         self.memory.free_own()
+        self.comm.Free()
 
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
         if self.closed:
@@ -458,7 +474,7 @@ class IPCTransport(Transport):
                 raise TransportError(f"IPCTransport: the tensor for rank {peer} must be a "
                                      f"contiguous {self.device.type} tensor; got one on "
                                      f"{t.device}")
-        ctrl = _CONTROL_TAG_BASE + 2 * tag  # ready on ctrl, done on ctrl + 1: no overlap
+        ctrl = 2 * tag  # ready on ctrl, done on ctrl + 1: no overlap
         mine, done_from, ready_sent = [], [], []
         for peer, t in recvs:
             buf = self._acquire(peer, tag, t.nbytes)

@@ -1,6 +1,6 @@
 """All-reduce of device tensors through CUDA IPC: every rank's tensor to every other, summed alike.
 
-    reducer = IPCReducer(comm, CudaDevice())   # comm: ranks of ONE node; collective (a Dup)
+    reducer = IPCReducer(comm, CudaDevice())   # comm: ranks of ONE node; collective
     req = reducer.iallreduce_(stats)           # returns at once
     ...                                        # enqueue more work on the compute stream
     req.wait()                                 # the compute stream now waits for the sum
@@ -67,12 +67,12 @@ class _IPCReduction(Request):
 
 class IPCReducer(Reducer):
     """All-reduce of ``device``'s tensors over the ranks of ``comm`` (one node) through CUDA IPC;
-    see the module docstring. Collective to construct: its exchanges run on ``comm.Dup()``, apart
-    from any other transport's messages on ``comm``. ``memory``: as :class:`IPCTransport`'s."""
+    see the module docstring. Collective to construct (its transport duplicates ``comm``, so its
+    messages stay apart from any other on ``comm``). ``memory``: as :class:`IPCTransport`'s."""
 
     def __init__(self, comm: Any, device: Device, memory: Optional[IPCMemory] = None) -> None:
-        self.comm, self.device = comm.Dup(), device
-        self.transport = IPCTransport(self.comm, device, memory)
+        self.comm, self.device = comm, device
+        self.transport = IPCTransport(comm, device, memory)
 
     def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
         mpi_op(op)  # a bad op fails here, before anything is enqueued
@@ -91,6 +91,4 @@ class IPCReducer(Reducer):
         return _IPCReduction(self, exchange, t, parts, op)
 
     def close(self) -> None:
-        if not self.transport.closed:
-            self.transport.close()
-            self.comm.Free()
+        self.transport.close()

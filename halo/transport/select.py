@@ -63,7 +63,8 @@ def make_transport(name: str, comm: Any, device: Optional[Device] = None) -> Tra
     """The transport ``name`` ("mpi", "staged", "ipc" or "nccl", as :func:`choose_transport`
     resolved it) over the mpi4py communicator ``comm``; the device transports order their work
     on ``device``'s streams (:class:`~halo.transport.streams.CudaDevice`, or the CPU stand-in
-    in tests). Collective over ``comm`` for "nccl" (its unique id is broadcast)."""
+    in tests). Collective over ``comm`` for "nccl" (its unique id is broadcast) and "ipc" (it
+    duplicates ``comm``)."""
     if name == "mpi":
         from halo.transport.mpi import MPITransport
 
@@ -103,9 +104,9 @@ def one_node(comm: Any) -> bool:
 
 def make_reducer(name: str, comm: Any, device: Optional[Device] = None) -> Optional[Reducer]:
     """The all-reduce of ``device``'s tensors over ``comm`` for the resolved transport ``name``:
-    None for "mpi" (host tensors, reduced where they lie), NCCL's for "nccl" (a communicator of
-    its own), CUDA IPC's for "ipc" (on a ``comm.Dup()``; both collective over ``comm``) where
-    every rank of ``comm`` is on this node, else host-staged MPI on a stream of ``device``."""
+    None for "mpi" (host tensors, reduced where they lie), NCCL's for "nccl", CUDA IPC's for
+    "ipc" where every rank of ``comm`` is on this node (both collective over ``comm``), else
+    host-staged MPI on a stream of ``device``."""
     if name == "mpi":
         return None
     if name not in DEVICE_TRANSPORTS:

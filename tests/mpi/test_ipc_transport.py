@@ -196,6 +196,27 @@ def test_a_size_mismatch_is_an_error_not_garbage(comm, make):
             tr.start([], [(0, torch.zeros(4))], tag=9).wait()
 
 
+def test_closing_with_a_send_not_carried_out_is_an_error(comm, make):
+    """A send still waiting for its peer's start would be lost (and the peer hang): close
+    refuses, and the exchange completes once the peer starts it."""
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    tr = make()
+    if comm.rank == 0:
+        req = tr.start([(1, torch.ones(3))], [], tag=10)
+        with pytest.raises(TransportError, match="close with 1 send.* still waiting for their "
+                                                 "peer's start"):
+            tr.close()
+    comm.Barrier()  # rank 1 starts only now
+    if comm.rank == 0:
+        req.wait()
+    elif comm.rank == 1:
+        got = torch.zeros(3)
+        tr.start([], [(0, got)], tag=10).wait()
+        tr.device.compute.record().synchronize()
+        assert got.eq(1.0).all()
+
+
 def test_tensors_on_another_device_type_are_refused(comm, make):
     tr = make()
     tr.device.type = "cuda"  # the stand-in posing as a GPU: CPU tensors are then wrong
