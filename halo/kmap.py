@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 __all__ = ["KernelMap", "kernel_map", "kernel_offsets", "output_coords", "strided_map", "coord_keys",
-           "decode_keys", "lookup", "value_counts"]
+           "decode_keys", "lookup", "value_counts", "true_at"]
 
 _BITS = 18  # bits per spatial axis: coordinates in [-2**17, 2**17); batch index below 2**9
 _HALF = 1 << (_BITS - 1)
@@ -208,7 +208,7 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
         n_hit = hit.view(len(off), n_out).sum(1).cpu()  # the group's one host sync
         counts.append(n_hit)
         # Hits in (offset, output) order; their count known, finding them needs no more syncs.
-        flat = _true_at(hit, int(n_hit.sum()))
+        flat = true_at(hit, int(n_hit.sum()))
         in_rows.append(rows[flat])
         out_rows.append(flat % n_out)
     ptr = torch.zeros(n_k + 1, dtype=torch.int64)
@@ -220,7 +220,7 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
                      len(out_coords))
 
 
-def _true_at(mask: torch.Tensor, count: int) -> torch.Tensor:
+def true_at(mask: torch.Tensor, count: int) -> torch.Tensor:
     """int64 [count]: where the 1-D ``mask`` is true, ``count`` being known, so without the device
     sync of ``nonzero`` (``nonzero_static``: on CUDA since torch 2.6)."""
     if count == 0:  # nonzero_static failed on empty CUDA inputs before torch 2.9

@@ -43,7 +43,7 @@ from mpi4py import MPI
 
 from halo.cuts import Cuts
 from halo.grid import ProcessGrid
-from halo.kmap import KernelMap, coord_keys, kernel_map, output_coords
+from halo.kmap import KernelMap, coord_keys, kernel_map, output_coords, true_at
 from halo.transport.base import Transport
 
 __all__ = ["PlanError", "HaloPlan", "PlanCache", "build_plan", "halo_radius", "boundary_rows",
@@ -133,13 +133,15 @@ def select_sends(coords: torch.Tensor, boxes: Sequence[tuple[np.ndarray, np.ndar
 def _rows_inside(order: torch.Tensor, inside: list[torch.Tensor],
                  batched: bool) -> list[torch.Tensor]:
     """``order[m]`` for every mask ``m`` of ``inside``. Batched (on a GPU, where each boolean
-    selection is a host sync): one selection for all masks and one count copy, 2 syncs instead of
-    one per mask; on the CPU one selection per mask is faster (no [B, N] stack)."""
+    selection is a host sync): the masks' counts in one copy to the host, then one selection
+    for all masks that needs no more (:func:`~halo.kmap.true_at`), one sync instead of one per
+    mask; on the CPU one selection per mask is faster (no [B, N] stack)."""
     if not batched:
         return [order[m] for m in inside]
     stacked = torch.stack(inside)  # [B, N]
-    rows = order[stacked.nonzero()[:, 1]]  # mask by mask, each in order's order
-    return list(torch.split(rows, stacked.sum(1).tolist()))
+    counts = stacked.sum(1).tolist()  # the one host sync
+    flat = true_at(stacked.reshape(-1), sum(counts))  # mask by mask, each in order's order
+    return list(torch.split(order[flat % stacked.shape[1]], counts))
 
 
 @dataclass

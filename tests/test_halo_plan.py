@@ -77,7 +77,8 @@ def test_select_sends_matches_the_reference():
 
 
 def test_batched_selection_equals_one_per_box():
-    """A GPU selects every box's rows at once (2 host syncs, not one per box): the same rows."""
+    """A GPU selects every box's rows at once (one host sync, not one per box): the same rows,
+    also with no rows at all."""
     from halo.plan import _rows_inside
 
     g = torch.Generator().manual_seed(0)
@@ -87,6 +88,8 @@ def test_batched_selection_equals_one_per_box():
     batched = _rows_inside(order, masks, batched=True)
     assert [len(r) for r in per_box] == [len(r) for r in batched] and len(per_box[0]) == 0
     assert all(torch.equal(a, b) for a, b in zip(per_box, batched))
+    none = _rows_inside(order[:0], [m[:0] for m in masks], batched=True)
+    assert [len(r) for r in none] == [0] * 4
 
 
 def test_reference_halo_covers_the_neighbour_search():
