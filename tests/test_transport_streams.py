@@ -76,7 +76,7 @@ def test_a_peer_event_waits_for_its_latest_record_before_the_wait(tmp_path):
     """SimIPCMemory's events between two stand-in devices (two processes on a GPU): a wait holds
     a stream back until the peer's stream has run the record issued last before the wait; a
     record issued after the wait does not hold it back."""
-    from halo.transport.ipc import SimIPCMemory
+    from halo.transport.ipc_memory import SimIPCMemory
 
     mine, theirs = SimIPCMemory(str(tmp_path)), SimIPCMemory(str(tmp_path))
     sender, receiver = SimDevice(), SimDevice()
@@ -204,7 +204,8 @@ def test_importing_the_packages_does_not_import_cupy():
     code = ("import sys, sparsepipe_hpc, halo, halo.transport, halo.transport.streams, "
             "halo.transport.staged, halo.transport.collectives, sparsepipe_hpc.train.loop, "
             "sparsepipe_hpc.parallel.gradients; "
-            "import halo.transport.nccl, halo.transport.ipc, halo.transport.ipc_reduce; "
+            "import halo.transport.nccl, halo.transport.ipc, halo.transport.ipc_reduce, "
+            "halo.transport.ipc_memory; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cupy'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

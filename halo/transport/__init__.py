@@ -15,7 +15,8 @@ the layers make; a ReduceGroup routes device tensors to its Reducer), ``streams`
 ordering: CUDA through torch, and a CPU stand-in for tests; staging-buffer pool), ``staged`` and
 ``staged_reduce`` (device -> pinned host -> MPI -> host -> device, point-to-point and all-reduce),
 ``nccl`` (CuPy NCCL, both), ``ipc`` and ``ipc_reduce`` (CUDA IPC between ranks of a node,
-point-to-point and all-reduce; device work ordered across processes by interprocess events),
+point-to-point and all-reduce; device work ordered across processes by interprocess events) on
+``ipc_memory`` (CUDA's IPC buffers and events, or shared-memory files for the CPU stand-in),
 ``select`` (``--transport auto|nccl|ipc|staged|mpi``), ``delay`` (a simulated slow
 network).
 Nothing here imports CuPy at module import.

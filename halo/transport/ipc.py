@@ -32,9 +32,8 @@ calls its peers reach only after theirs, or call ``progress`` while blocked. A h
 run ahead of its device by at most ``MAX_PENDING`` buffers per (peer, tag); at that point it
 waits for the oldest copy out rather than register yet another buffer.
 
-Where the buffers and events live is the ``memory``: :class:`CudaIPCMemory` (``cudaMalloc`` and
-IPC handles through CuPy, interprocess events through torch, both imported on construction), or
-:class:`SimIPCMemory`, files in ``/dev/shm``, for the CPU stand-in device
+Where the buffers and events live is the ``memory`` (:mod:`halo.transport.ipc_memory`): CUDA IPC
+on a GPU, or files in ``/dev/shm`` for the CPU stand-in device
 (:class:`~halo.transport.streams.SimDevice`): the same protocol between the processes of an
 ``mpirun`` on a CPU (tests/mpi/test_ipc_transport.py). Constructing a transport is collective
 (it duplicates its communicator).
@@ -43,204 +42,17 @@ IPC handles through CuPy, interprocess events through torch, both imported on co
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 
 from halo.transport.base import CompletedRequest, Peers, Request, Transport, TransportError
-from halo.transport.streams import SYNC_TIMEOUT_S, Device, Event, Stream, StreamError
+from halo.transport.ipc_memory import CudaIPCMemory, IPCMemory, SimIPCMemory
+from halo.transport.streams import Device, Event
 
-__all__ = ["IPCTransport", "IPCMemory", "CudaIPCMemory", "SimIPCMemory"]
+__all__ = ["IPCTransport", "MAX_PENDING", "progress_all"]
 
 MAX_PENDING = 4  # registered buffers per (peer, tag) whose copy out may still be queued
-PREFIX = "sparsepipe-ipc-"  # SimIPCMemory's files: /dev/shm/sparsepipe-ipc-<pid>-<n>
-
-
-class IPCMemory(Protocol):
-    """Buffers and events other processes of the node can open."""
-
-    def alloc(self, nbytes: int) -> tuple[torch.Tensor, bytes]:
-        """A new buffer, uint8 [nbytes] on the device, and the handle a peer opens it by."""
-
-    def open(self, handle: bytes, nbytes: int) -> torch.Tensor:
-        """A peer's buffer of ``nbytes`` as uint8 [nbytes] (call once per handle)."""
-
-    def event(self) -> tuple[Any, bytes]:
-        """A new event of ours other processes can wait for, and its handle."""
-
-    def record(self, event: Any, stream: Stream) -> None:
-        """Record ``event`` (of :meth:`event`) after the work enqueued so far on ``stream``."""
-
-    def wait(self, stream: Stream, handle: bytes) -> None:
-        """Work enqueued on ``stream`` from now on runs after the peer's event ``handle`` as last
-        recorded before this call (the event opened on first use)."""
-
-    def close_opened(self) -> None:
-        """Unmap the peers' buffers and drop their events opened so far."""
-
-    def free_own(self) -> None:
-        """Free our own buffers and events (once every peer has unmapped them)."""
-
-
-class CudaIPCMemory:
-    """``cudaMalloc``'d buffers and their CUDA IPC handles, through CuPy, as torch tensors on the
-    same memory (``__cuda_array_interface__``; a copy instead would be an error, not a silent
-    stale buffer). A peer's buffer is a tensor on the GPU that holds it. Events are torch's
-    interprocess CUDA events (``cudaIpcGetEventHandle``)."""
-
-    def __init__(self, device: torch.device) -> None:
-        import cupy  # on use only
-
-        self._cp = cupy
-        device = torch.device(device)
-        self._index = torch.cuda.current_device() if device.index is None else device.index
-        self._own: list[int] = []
-        self._opened: list[int] = []
-        self._events: list[Any] = []
-        self._peer_events: dict[bytes, Any] = {}
-
-    def _tensor(self, ptr: int, nbytes: int) -> torch.Tensor:
-        cp = self._cp
-        mem = cp.cuda.UnownedMemory(ptr, nbytes, self)  # its device from the pointer
-        t = torch.as_tensor(cp.ndarray((nbytes,), dtype=cp.uint8,
-                                       memptr=cp.cuda.MemoryPointer(mem, 0)))
-        if t.data_ptr() != ptr:
-            raise RuntimeError("CudaIPCMemory: torch copied an IPC buffer instead of viewing it")
-        return t
-
-    def alloc(self, nbytes: int) -> tuple[torch.Tensor, bytes]:
-        rt = self._cp.cuda.runtime
-        with self._cp.cuda.Device(self._index):
-            ptr = rt.malloc(nbytes)
-            handle = bytes(rt.ipcGetMemHandle(ptr))
-        self._own.append(ptr)
-        return self._tensor(ptr, nbytes), handle
-
-    def open(self, handle: bytes, nbytes: int) -> torch.Tensor:
-        with self._cp.cuda.Device(self._index):
-            ptr = self._cp.cuda.runtime.ipcOpenMemHandle(handle)
-        self._opened.append(ptr)
-        return self._tensor(ptr, nbytes)
-
-    def event(self) -> tuple[Any, bytes]:
-        with torch.cuda.device(self._index):
-            ev = torch.cuda.Event(interprocess=True)  # no timing: interprocess events have none
-            handle = bytes(ev.ipc_handle())
-        self._events.append(ev)
-        return ev, handle
-
-    def record(self, event: Any, stream: Stream) -> None:
-        event.record(stream.stream)  # type: ignore[attr-defined]  # a CudaDevice stream
-
-    def wait(self, stream: Stream, handle: bytes) -> None:
-        ev = self._peer_events.get(handle)
-        if ev is None:
-            ev = self._peer_events[handle] = torch.cuda.Event.from_ipc_handle(self._index, handle)
-        stream.stream.wait_event(ev)  # type: ignore[attr-defined]
-
-    def close_opened(self) -> None:
-        rt = self._cp.cuda.runtime
-        with self._cp.cuda.Device(self._index):
-            rt.deviceSynchronize()  # no copy of ours may still write into them
-            for ptr in self._opened:
-                rt.ipcCloseMemHandle(ptr)
-        self._opened, self._peer_events = [], {}
-
-    def free_own(self) -> None:
-        # cudaFree of an exported buffer before every importer closed it is undefined behaviour:
-        # the caller frees only after all peers' close_opened (IPCTransport.close's barrier).
-        with self._cp.cuda.Device(self._index):
-            for ptr in self._own:
-                self._cp.cuda.runtime.free(ptr)
-        self._own, self._events = [], []
-
-
-class _SimPeerEvent(Event):
-    """A peer's stand-in event as a waiter sees it: done once the peer's stream has run its
-    record number ``target`` (counters: int64 [2], records issued and records run)."""
-
-    external = True  # completed by another process (SimDevice.synchronize waits for it)
-
-    def __init__(self, counters: torch.Tensor, target: int) -> None:
-        self._counters, self._target = counters, target
-
-    @property
-    def done(self) -> bool:
-        return int(self._counters[1]) >= self._target
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        deadline = time.monotonic() + SYNC_TIMEOUT_S
-        while not self.done:
-            if time.monotonic() > deadline:
-                raise StreamError("a peer's event never completed: its stream is held")
-            time.sleep(0.001)
-
-
-class SimIPCMemory:
-    """Files in ``/dev/shm`` standing in for CUDA IPC on the CPU (with
-    :class:`~halo.transport.streams.SimDevice`): a handle is a file's path, and each tensor maps
-    the file itself (its storage owns the mapping, so a view outlives ``close`` safely). An event
-    is a file of two int64 counters: records issued (by the host, at once) and records run (by
-    the stream, when it gets there); a wait waits until the second reaches the first as read
-    at the wait."""
-
-    _made = 0
-
-    def __init__(self, folder: str = "/dev/shm") -> None:
-        self.folder = folder
-        self._own: list[str] = []
-        self._peer_events: dict[bytes, torch.Tensor] = {}
-
-    def _file(self, nbytes: int) -> bytes:
-        import os
-
-        SimIPCMemory._made += 1
-        path = os.path.join(self.folder, f"{PREFIX}{os.getpid()}-{SimIPCMemory._made}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)  # zeros
-        finally:
-            os.close(fd)
-        self._own.append(path)
-        return path.encode()
-
-    def alloc(self, nbytes: int) -> tuple[torch.Tensor, bytes]:
-        handle = self._file(nbytes)
-        return self.open(handle, nbytes), handle
-
-    def open(self, handle: bytes, nbytes: int) -> torch.Tensor:
-        return torch.from_file(handle.decode(), shared=True, size=nbytes, dtype=torch.uint8)
-
-    def _counters(self, handle: bytes) -> torch.Tensor:
-        return torch.from_file(handle.decode(), shared=True, size=2, dtype=torch.int64)
-
-    def event(self) -> tuple[Any, bytes]:
-        handle = self._file(16)
-        return self._counters(handle), handle
-
-    def record(self, event: Any, stream: Stream) -> None:
-        event[0] += 1  # issued now, by the host
-        issued = int(event[0])
-        stream.launch(lambda: event[1].fill_(issued))  # run when the stream gets there
-
-    def wait(self, stream: Stream, handle: bytes) -> None:
-        counters = self._peer_events.get(handle)
-        if counters is None:
-            counters = self._peer_events[handle] = self._counters(handle)
-        stream.wait_event(_SimPeerEvent(counters, int(counters[0])))
-
-    def close_opened(self) -> None:
-        self._peer_events = {}  # the buffers' mappings go with their tensors
-
-    def free_own(self) -> None:
-        import os
-
-        for path in self._own:
-            os.unlink(path)  # mappings stay valid; the name goes
-        self._own = []
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

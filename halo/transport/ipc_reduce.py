@@ -26,7 +26,8 @@ import torch
 
 from halo.transport.base import CompletedRequest, Reducer, Request, TransportError
 from halo.transport.collectives import mpi_op
-from halo.transport.ipc import IPCMemory, IPCTransport
+from halo.transport.ipc import IPCTransport
+from halo.transport.ipc_memory import IPCMemory
 from halo.transport.streams import Device
 
 __all__ = ["IPCReducer"]

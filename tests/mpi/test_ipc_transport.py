@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from halo.transport.base import TransportError
-from halo.transport.ipc import MAX_PENDING, IPCTransport, SimIPCMemory
+from halo.transport.ipc import MAX_PENDING, IPCTransport
+from halo.transport.ipc_memory import SimIPCMemory
 from halo.transport.streams import SimDevice
 
 
@@ -42,7 +43,7 @@ def leftover_files() -> list[str]:
     import glob
     import os
 
-    from halo.transport.ipc import PREFIX
+    from halo.transport.ipc_memory import PREFIX
 
     return glob.glob(f"/dev/shm/{PREFIX}{os.getpid()}-*")
 
