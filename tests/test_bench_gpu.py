@@ -66,6 +66,11 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
     assert strided["time_ratio_project_window_over_spconv"] > 0
     assert "skipped" in r["strided"]["fp16"]["spconv"]
     assert "fp32 strided 4->8->4 (map included): project" in proc.stdout
+    gathers = r["gathers"]["fp16"]
+    assert [g["channels"] for g in gathers] == [4, 8] and gathers[0]["row_bytes"] == 8
+    for form in ("index", "index_select", "elements", "index_copy"):
+        assert gathers[1][form]["median_s"] > 0
+    assert f"fp32 gather {r['scene']['voxels']} rows of 16 B: index " in proc.stdout
     for precision in ("fp32", "fp16"):
         bn = r["batchnorm"][precision]
         assert bn["voxels"] == r["scene"]["voxels"] and bn["channels"] == 4

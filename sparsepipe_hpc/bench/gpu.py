@@ -31,6 +31,12 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                built each time: ``SparseConv3d`` k2s2 W -> 2W and ``SparseInverseConv3d`` back
                (W = ``--width``), the project's (``project``; ``project_window`` as dense GEMMs)
                against spconv's own (implicit GEMM on CUDA).
+  gathers      a row gather of the scene's voxels at ``--width`` and twice as many channels in
+               the precision's dtype, through a random permutation, by each form torch has:
+               ``x[idx]`` (``index``; the strided layers' explicit-pair backward gathers so, and
+               an H100 spent 5.5 ms of an 85 ms fp16 step in the one-block-per-row kernel it
+               launches), ``index_select``, a gather of single elements (``elements``) and a
+               scatter by the inverse permutation (``index_copy``): which form narrow rows want.
   batchnorm    one BatchNorm over the scene's voxels at ``--width`` channels, forward + backward:
                the project's on one rank (as the trainer runs it), the project's group form
                (what each rank of a spatial group runs, all-reduce aside: deferred statistics on
@@ -389,6 +395,39 @@ def _strided(x: SparseTensor, c: int, args: Any, device: torch.device,
     return out
 
 
+def _gathers(n: int, c: int, args: Any, device: torch.device,
+             dtype: Optional[torch.dtype]) -> dict[str, Any]:
+    """``y = x[perm]`` for x [n, c] and a random permutation, by four forms (all equal; the
+    element-wise ones build their index inside the timing, as a caller would)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, c, generator=g).to(device, dtype or torch.float32)
+    perm = torch.randperm(n, generator=g).to(device)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(n, device=device)
+    cols = torch.arange(c, device=device)
+
+    def index() -> torch.Tensor:
+        return x[perm]
+
+    def select() -> torch.Tensor:
+        return torch.index_select(x, 0, perm)
+
+    def elements() -> torch.Tensor:
+        return x.reshape(-1)[(perm[:, None] * c + cols).reshape(-1)].view(n, c)
+
+    def scatter() -> torch.Tensor:
+        return torch.empty_like(x).index_copy_(0, inverse, x)
+
+    forms = {"index": index, "index_select": select, "elements": elements, "index_copy": scatter}
+    want = index()
+    for name, fn in forms.items():  # a form that gathers something else is no contender
+        if not torch.equal(fn(), want):
+            raise RuntimeError(f"bench gpu gathers: {name} differs from x[idx]")
+    out: dict[str, Any] = {"rows": n, "channels": c, "row_bytes": c * x.element_size()}
+    out.update(time_alternating(forms, device, args.repeats))
+    return out
+
+
 def _batchnorm(x: SparseTensor, c: int, args: Any, device: torch.device,
                dtype: Optional[torch.dtype]) -> dict[str, Any]:
     """One BatchNorm over [N, c] features, fwd+bwd: project (one rank, group form) and torch's."""
@@ -521,7 +560,8 @@ def main(argv: list[str]) -> None:
                   "voxels": x.num_voxels, "spatial_shape": list(x.spatial_shape),
                   "width": args.width, "depth": args.depth},
         "targets": {"time_ratio_max": 1.10, "memory_ratio_max": 1.10},
-        "steps": {}, "layer": {}, "strided": {}, "batchnorm": {}, "complete": False}
+        "steps": {}, "layer": {}, "strided": {}, "gathers": {}, "batchnorm": {},
+        "complete": False}
     for name in names:
         steps = result["steps"][name] = _steps(x, args, device, PRECISIONS[name])
         for net in ("spconv_unet", "spconv_triton_unet", "sparseunet", "sparseunet_window",
@@ -560,6 +600,13 @@ def main(argv: list[str]) -> None:
               f"{st['project_window']['median_s'] * 1e3:.2f} ms" +
               (f", spconv {st['spconv']['median_s'] * 1e3:.2f} ms" if "median_s" in
                st.get("spconv", {}) else ""))
+        result["gathers"][name] = []
+        for c in (args.width, 2 * args.width):
+            gt = _gathers(x.num_voxels, c, args, device, PRECISIONS[name])
+            result["gathers"][name].append(gt)
+            print(f"{name} gather {x.num_voxels} rows of {gt['row_bytes']} B: " + ", ".join(
+                f"{form} {gt[form]['median_s'] * 1e3:.2f} ms"
+                for form in ("index", "index_select", "elements", "index_copy")))
         bn = result["batchnorm"][name] = _batchnorm(x, args.width, args, device,
                                                     PRECISIONS[name])
         print(f"{name} batchnorm {args.width} ch: project {bn['project']['median_s'] * 1e3:.2f} ms"
