@@ -86,3 +86,15 @@ class Reducer(ABC):
     def close(self) -> None:
         """Free what it holds that peers use (CUDA IPC's buffers): collective over its ranks,
         once every all-reduce has completed on every rank. Most reducers hold nothing such."""
+
+    def _check(self, t: torch.Tensor, op: str) -> None:
+        """Refuse, before anything is enqueued, an ``op`` MPI has no reduction for or a ``t``
+        that is not a contiguous tensor of this reducer's device."""
+        from halo.transport.collectives import mpi_op
+
+        mpi_op(op)
+        if t.device.type != self.device.type or not t.is_contiguous():
+            raise TransportError(f"{type(self).__name__}: the all-reduce buffer must be a "
+                                 f"contiguous {self.device.type} tensor; got a "
+                                 f"{'' if t.is_contiguous() else 'non-contiguous '}tensor of "
+                                 f"shape {tuple(t.shape)} on {t.device}")

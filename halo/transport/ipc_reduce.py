@@ -24,8 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from halo.transport.base import CompletedRequest, Reducer, Request, TransportError
-from halo.transport.collectives import mpi_op
+from halo.transport.base import CompletedRequest, Reducer, Request
 from halo.transport.ipc import IPCTransport
 from halo.transport.ipc_memory import IPCMemory
 from halo.transport.streams import Device
@@ -76,12 +75,7 @@ class IPCReducer(Reducer):
         self.transport = IPCTransport(comm, device, memory)
 
     def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
-        mpi_op(op)  # a bad op fails here, before anything is enqueued
-        if t.device.type != self.device.type or not t.is_contiguous():
-            raise TransportError(f"IPCReducer: the all-reduce buffer must be a contiguous "
-                                 f"{self.device.type} tensor; got a "
-                                 f"{'' if t.is_contiguous() else 'non-contiguous '}tensor of "
-                                 f"shape {tuple(t.shape)} on {t.device}")
+        self._check(t, op)
         n, me = self.comm.Get_size(), self.comm.Get_rank()
         if n == 1:
             return CompletedRequest()

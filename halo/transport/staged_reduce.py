@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from halo.transport.base import CompletedRequest, Reducer, Request, TransportError
+from halo.transport.base import CompletedRequest, Reducer, Request
 from halo.transport.collectives import mpi_op, mpi_types, raw_buffer
 from halo.transport.streams import Device, Event, StagingPool
 
@@ -95,12 +95,7 @@ class StagedReducer(Reducer):
         self._unstarted: list[_StagedReduction] = []
 
     def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
-        mpi_op(op)  # a bad op fails here, before anything is enqueued
-        if t.device.type != self.device.type or not t.is_contiguous():
-            raise TransportError(f"StagedReducer: the all-reduce buffer must be a contiguous "
-                                 f"{self.device.type} tensor; got a "
-                                 f"{'' if t.is_contiguous() else 'non-contiguous '}tensor of "
-                                 f"shape {tuple(t.shape)} on {t.device}")
+        self._check(t, op)
         if self.comm.Get_size() == 1:
             return CompletedRequest()
         src = t

@@ -133,3 +133,34 @@ def test_allgatherv_device_tensor_comes_back_on_its_device(comm):
     got = allgatherv(mine, comm)
     want = torch.cat([rows_of(r, counts[r], (3,), torch.bfloat16) for r in range(comm.size)])
     assert got.device == mine.device and torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("kind", ["staged", "ipc"])
+def test_a_reduce_group_routes_its_device_tensors_to_the_reducer(comm, kind):
+    """allreduce_ / iallreduce_ over a ReduceGroup give MPI's results through its reducer (a
+    non-contiguous tensor through a contiguous copy), host-staged or over CUDA IPC, here on the
+    CPU stand-in device."""
+    from halo.transport.collectives import ReduceGroup
+    from halo.transport.ipc_reduce import IPCReducer
+    from halo.transport.staged_reduce import StagedReducer
+    from halo.transport.streams import SimDevice
+
+    red = (StagedReducer if kind == "staged" else IPCReducer)(comm, SimDevice())
+    group = ReduceGroup(comm, red)
+    a = torch.arange(12.0).reshape(3, 4) + comm.rank
+    b = a.clone()
+    allreduce_(a, group, "max")
+    allreduce_(b, comm, "max")
+    assert torch.equal(a, b)
+    c = (torch.arange(12.0).reshape(3, 4) * (comm.rank + 1)).t()  # non-contiguous
+    d = c.contiguous().clone()
+    allreduce_(c, group)
+    allreduce_(d, ReduceGroup(comm))
+    assert torch.equal(c, d)
+    e = torch.ones(5, dtype=torch.float64) * comm.rank
+    iallreduce_(e, group).wait()
+    assert torch.equal(e, torch.full((5,), float(sum(range(comm.size))), dtype=torch.float64))
+    used = red.pool.allocated if isinstance(red, StagedReducer) else red.transport.registered
+    if comm.size > 1:
+        assert used > 0, "the group's tensors did not go through its reducer"
+    red.close()

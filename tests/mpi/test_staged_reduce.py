@@ -2,7 +2,8 @@
 D2H copy waits for the compute stream's producer; the compute stream's consumer waits for the H2D
 copy; all-reduces started in one order and waited for in another (differently on each rank) still
 match; dtypes MPI cannot reduce are widened and narrowed back; staging buffers are reused only
-after their copies ran; a ReduceGroup routes its device's tensors to the reducer.
+after their copies ran (a ReduceGroup routing its device's tensors to a reducer:
+tests/mpi/test_collectives.py).
 
 The same StagedReducer on CudaDevice (real GPU streams) is not run here (no GPU)."""
 
@@ -12,7 +13,6 @@ import pytest
 import torch
 
 from halo.transport.base import TransportError
-from halo.transport.collectives import ReduceGroup, allreduce_, iallreduce_
 from halo.transport.staged_reduce import StagedReducer
 from halo.transport.streams import SimDevice
 
@@ -86,26 +86,3 @@ def test_bad_buffers_are_refused_before_anything_is_enqueued(comm):
     with pytest.raises(ValueError, match="reduction op must be one of sum, max, min; got 'avg'"):
         red.iallreduce_(torch.zeros(3), "avg")
     assert red.pool.allocated == 0 and red.pool.pending == 0
-
-
-def test_a_reduce_group_routes_its_device_tensors_to_the_reducer(comm):
-    """allreduce_ / iallreduce_ over a ReduceGroup give MPI's results, through the reducer (a
-    non-contiguous tensor through a contiguous copy); a group without one is plain MPI."""
-    dev = SimDevice()
-    red = StagedReducer(comm, dev)
-    group = ReduceGroup(comm, red)
-    a = torch.arange(12.0).reshape(3, 4) + comm.rank
-    b = a.clone()
-    allreduce_(a, group, "max")
-    allreduce_(b, comm, "max")
-    assert torch.equal(a, b)
-    c = (torch.arange(12.0).reshape(3, 4) * (comm.rank + 1)).t()  # non-contiguous
-    d = c.contiguous().clone()
-    allreduce_(c, group)
-    allreduce_(d, ReduceGroup(comm))
-    assert torch.equal(c, d)
-    e = torch.ones(5, dtype=torch.float64) * comm.rank
-    iallreduce_(e, group).wait()
-    assert torch.equal(e, torch.full((5,), float(sum(range(comm.size))), dtype=torch.float64))
-    if comm.size > 1:
-        assert red.pool.allocated > 0, "the group's tensors did not go through its reducer"
