@@ -39,6 +39,15 @@ def random_cloud(gen: torch.Generator, n: int, shape=(16, 16, 16), batch: int = 
     return SparseTensor(coords, feats, shape, batch)
 
 
+def reduce_input(k: int, rank: int, dtypes: list[torch.dtype]) -> torch.Tensor:
+    """All-reduce input ``k`` of ``rank`` (k + 3 values, dtype ``dtypes[k % len]``): exact in
+    every dtype, and a bool pattern that differs between ranks."""
+    dtype = dtypes[k % len(dtypes)]
+    if dtype == torch.bool:
+        return torch.arange(k + 3) % (rank + 2) == 0
+    return (torch.arange(k + 3, dtype=torch.float64) + 10 * rank).to(dtype)
+
+
 class FakeClock:
     """Stands in for the ``time`` module inside halo.transport.delay: time moves only when the test
     (or the transport's own ``sleep``) moves it, so nothing depends on how loaded the machine is."""

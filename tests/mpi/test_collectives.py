@@ -135,17 +135,41 @@ def test_allgatherv_device_tensor_comes_back_on_its_device(comm):
     assert got.device == mine.device and torch.equal(got.cpu(), want)
 
 
+def make_reducer(comm, kind):
+    """A device reducer of ``kind`` on the CPU stand-in device, and how many buffers it used."""
+    from halo.transport.ipc_reduce import IPCReducer
+    from halo.transport.staged_reduce import StagedReducer
+    from halo.transport.streams import SimDevice
+
+    if kind == "staged":
+        red = StagedReducer(comm, SimDevice())
+        return red, lambda: red.pool.allocated
+    red = IPCReducer(comm, SimDevice())
+    return red, lambda: red.transport.registered
+
+
+@pytest.mark.parametrize("kind", ["staged", "ipc"])
+def test_a_reducer_refuses_bad_buffers_before_enqueuing_anything(comm, kind):
+    red, used = make_reducer(comm, kind)
+    with pytest.raises(TransportError, match="Reducer: the all-reduce buffer must be a contiguous "
+                                             "cpu tensor; got a non-contiguous"):
+        red.iallreduce_(torch.zeros(4, 3).t())
+    with pytest.raises(TransportError, match="on meta"):
+        red.iallreduce_(torch.zeros(3, device="meta"))
+    with pytest.raises(ValueError, match="reduction op must be one of sum, max, min; got 'avg'"):
+        red.iallreduce_(torch.zeros(3), "avg")
+    assert used() == 0
+    red.close()
+
+
 @pytest.mark.parametrize("kind", ["staged", "ipc"])
 def test_a_reduce_group_routes_its_device_tensors_to_the_reducer(comm, kind):
     """allreduce_ / iallreduce_ over a ReduceGroup give MPI's results through its reducer (a
     non-contiguous tensor through a contiguous copy), host-staged or over CUDA IPC, here on the
     CPU stand-in device."""
     from halo.transport.collectives import ReduceGroup
-    from halo.transport.ipc_reduce import IPCReducer
-    from halo.transport.staged_reduce import StagedReducer
-    from halo.transport.streams import SimDevice
 
-    red = (StagedReducer if kind == "staged" else IPCReducer)(comm, SimDevice())
+    red, used = make_reducer(comm, kind)
     group = ReduceGroup(comm, red)
     a = torch.arange(12.0).reshape(3, 4) + comm.rank
     b = a.clone()
@@ -160,7 +184,6 @@ def test_a_reduce_group_routes_its_device_tensors_to_the_reducer(comm, kind):
     e = torch.ones(5, dtype=torch.float64) * comm.rank
     iallreduce_(e, group).wait()
     assert torch.equal(e, torch.full((5,), float(sum(range(comm.size))), dtype=torch.float64))
-    used = red.pool.allocated if isinstance(red, StagedReducer) else red.transport.registered
     if comm.size > 1:
-        assert used > 0, "the group's tensors did not go through its reducer"
+        assert used() > 0, "the group's tensors did not go through its reducer"
     red.close()
