@@ -28,9 +28,9 @@ has not arrived is carried out by the next call into any IPC transport of the pr
 (a gradient bucket one rank starts in backward and another only at the end) as long as each
 waits for them in an order its peers can follow. A rank blocked in MPI outside these transports
 (a host collective, a staged transfer) hands nothing on: wait for its IPC exchanges before
-calls its peers reach only after theirs, or call ``progress`` while blocked. A host may
-run ahead of its device by at most ``MAX_PENDING`` buffers per (peer, tag); at that point it
-waits for the oldest copy out rather than register yet another buffer.
+calls its peers reach only after theirs, or call ``progress`` while blocked. A host may run
+ahead of its device by at most ``MAX_PENDING`` buffers per (peer, tag); then it waits for one of
+their copies out (device work only) rather than register yet another buffer.
 
 Where the buffers and events live is the ``memory`` (:mod:`halo.transport.ipc_memory`): CUDA IPC
 on a GPU, or files in ``/dev/shm`` for the CPU stand-in device
