@@ -26,7 +26,8 @@ Peers = list[tuple[int, torch.Tensor]]
 
 
 class TransportError(ValueError):
-    """A tensor handed to a transport does not fit it (device, layout)."""
+    """A transport or reducer used against its contract: a tensor that does not fit it (device,
+    layout, size), or a call out of turn (a start after close)."""
 
 
 class Request(ABC):
@@ -57,7 +58,7 @@ class Transport(ABC):
     @abstractmethod
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
         """Post every receive, then every send; return with a :class:`Request` without waiting
-        for the transfers (IPC's waits for its send peers' matching ``start``, not the data)."""
+        for the transfers."""
 
     def progress(self) -> bool:
         """Hand on what this transport holds back (a staged send whose copy has finished);

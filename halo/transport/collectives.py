@@ -12,7 +12,8 @@ all-gather - the one home for them.
 Every layer that sums over ranks (BatchNorm statistics, pooling, loss counts, metrics, gradients)
 calls these, never mpi4py directly. ``comm`` is an mpi4py communicator, None (one rank), or a
 :class:`ReduceGroup`: a communicator with the :class:`~halo.transport.base.Reducer` for its
-device's tensors (NCCL, or host-staged on a communication stream: ``select.make_reducer``). A
+device's tensors (NCCL, CUDA IPC, or host-staged on a communication stream:
+``select.make_reducer``). A
 tensor on the reducer's device is all-reduced by it; every other tensor as follows. Host (CPU)
 tensors go to MPI as raw bytes at their address with the matching MPI datatype: no numpy, no copy,
 no pickling. A tensor MPI has no datatype for (float16, bfloat16, bool) is reduced through a

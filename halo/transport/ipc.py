@@ -28,9 +28,10 @@ has not arrived is carried out by the next call into any IPC transport of the pr
 (a gradient bucket one rank starts in backward and another only at the end) as long as each
 waits for them in an order its peers can follow. A rank blocked in MPI outside these transports
 (a host collective, a staged transfer) hands nothing on: wait for its IPC exchanges before
-calls its peers reach only after theirs, or call ``progress`` while blocked. A host may run
-ahead of its device by at most ``MAX_PENDING`` buffers per (peer, tag); then it waits for one of
-their copies out (device work only) rather than register yet another buffer.
+calls its peers reach only after theirs, or call ``progress`` while blocked. Once
+``MAX_PENDING`` buffers of a (peer, tag) that would fit a receive wait for their copy out (a host
+running ahead of its device), the host waits for one of those copies (device work only) rather
+than register yet another buffer.
 
 Where the buffers and events live is the ``memory`` (:mod:`halo.transport.ipc_memory`): CUDA IPC
 on a GPU, or files in ``/dev/shm`` for the CPU stand-in device
@@ -136,6 +137,9 @@ class _IPCRequest(Request):
         polls = 0
         while not self._complete():  # waits for the peers' hosts, never for a device
             if not progress_all():  # nothing of ours waits for a "ready": block in MPI
+                if any(s.done is None for s in self._sends):
+                    raise TransportError("IPCTransport: a send of this exchange failed earlier "
+                                         "(see the first error); the exchange cannot complete")
                 for j, req in enumerate(self._done_from):
                     if self._dones[j] is _PENDING:
                         self._dones[j] = req.wait()
@@ -171,9 +175,10 @@ class IPCTransport(Transport):
     memory on the CPU stand-in)."""
 
     def __init__(self, comm: Any, device: Device, memory: Optional[IPCMemory] = None) -> None:
-        # Its own communicator (collective): its control tags 2 * tag and 2 * tag + 1 stay small
-        # (MPI promises tags up to 32767 only) and apart from any other messages on ``comm``.
-        self.comm, self.device = comm.Dup(), device
+        # Communicators of its own (collective), one per kind of control message, so both carry
+        # the caller's tags unchanged (no tag arithmetic past MPI_TAG_UB) apart from any other
+        # messages on ``comm``.
+        self.comm, self.done_comm, self.device = comm.Dup(), comm.Dup(), device
         if memory is None:
             memory = (CudaIPCMemory(getattr(device, "device", torch.device("cuda")))
                       if device.type == "cuda" else SimIPCMemory())
@@ -249,7 +254,7 @@ class IPCTransport(Transport):
         self.stream.copy_(target.data[:nbytes], _bytes(s.tensor))
         if target.event is not None:
             self.memory.record(target.event, self.stream)
-        s.done = self.comm.isend((target.event_handle, nbytes), dest=s.peer, tag=s.tag)
+        s.done = self.done_comm.isend((target.event_handle, nbytes), dest=s.peer, tag=s.tag)
 
     @property
     def registered(self) -> int:
@@ -275,6 +280,7 @@ class IPCTransport(Transport):
         self.comm.Barrier()
         self.memory.free_own()
         self.comm.Free()
+        self.done_comm.Free()
 
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
         if self.closed:
@@ -284,19 +290,19 @@ class IPCTransport(Transport):
         for peer, t in sends + recvs:
             if t.device.type != self.device.type or not t.is_contiguous():
                 raise TransportError(f"IPCTransport: the tensor for rank {peer} must be a "
-                                     f"contiguous {self.device.type} tensor; got one on "
-                                     f"{t.device}")
-        ctrl = 2 * tag  # ready on ctrl, done on ctrl + 1: no overlap
+                                     f"contiguous {self.device.type} tensor; got a "
+                                     f"{'' if t.is_contiguous() else 'non-contiguous '}tensor "
+                                     f"on {t.device} (pass .contiguous() on this device)")
         mine, done_from, ready_sent = [], [], []
         for peer, t in recvs:
             buf = self._acquire(peer, tag, t.nbytes)
-            ready_sent.append(self.comm.isend((buf.handle, buf.capacity), dest=peer, tag=ctrl))
-            done_from.append(self.comm.irecv(source=peer, tag=ctrl + 1))
+            ready_sent.append(self.comm.isend((buf.handle, buf.capacity), dest=peer, tag=tag))
+            done_from.append(self.done_comm.irecv(source=peer, tag=tag))
             mine.append((t, buf))
         # After the producers of the send tensors and the last readers of the receive tensors
         # (the copy-out in _finish overwrites them) on the compute stream.
         self.stream.wait_event(self.device.compute.record())
-        out = [_Send(peer, t, self.comm.irecv(source=peer, tag=ctrl), ctrl + 1)
+        out = [_Send(peer, t, self.comm.irecv(source=peer, tag=tag), tag)
                for peer, t in sends]
         self._unsent.extend(out)
         progress_all()

@@ -1,4 +1,4 @@
-"""Where CUDA IPC buffers and events live: device memory and events other processes of the node open.
+"""Where CUDA IPC buffers and events live: memory and events other processes of a node open.
 
     memory = CudaIPCMemory(torch.device("cuda", 0))   # or SimIPCMemory() on the CPU stand-in
     data, handle = memory.alloc(1 << 20)              # uint8 [1 MiB] on the device; a peer opens
@@ -72,11 +72,13 @@ class CudaIPCMemory:
 
     def _tensor(self, ptr: int, nbytes: int) -> torch.Tensor:
         cp = self._cp
-        mem = cp.cuda.UnownedMemory(ptr, nbytes, self)  # its device from the pointer
+        mem = cp.cuda.UnownedMemory(ptr, nbytes, self, device_id=self._index)
         t = torch.as_tensor(cp.ndarray((nbytes,), dtype=cp.uint8,
                                        memptr=cp.cuda.MemoryPointer(mem, 0)))
         if t.data_ptr() != ptr:
-            raise RuntimeError("CudaIPCMemory: torch copied an IPC buffer instead of viewing it")
+            raise RuntimeError(f"CudaIPCMemory: torch copied the IPC buffer at {ptr:#x} "
+                               f"({nbytes} bytes) to {t.data_ptr():#x} instead of viewing it "
+                               f"(torch {torch.__version__}, CuPy {cp.__version__})")
         return t
 
     def alloc(self, nbytes: int) -> tuple[torch.Tensor, bytes]:
@@ -146,7 +148,8 @@ class _SimPeerEvent(Event):
         deadline = time.monotonic() + SYNC_TIMEOUT_S
         while not self.done:
             if time.monotonic() > deadline:
-                raise StreamError("a peer's event never completed: its stream is held")
+                raise StreamError(f"a peer's event did not complete within {SYNC_TIMEOUT_S:.0f} "
+                                  f"s (its stream held, or its process gone?)")
             time.sleep(0.001)
 
 

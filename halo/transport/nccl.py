@@ -5,8 +5,9 @@
     req.wait()                                          # the compute stream waits; the host not
     transport.iallreduce_(grads).wait()                 # in place; also a Reducer
 
-UNVERIFIED: written without a GPU; no test has run it (tests/test_transport_gpu.py skips without
-CUDA and CuPy, and NCCL refuses two ranks on one GPU, so several ranks need several GPUs).
+Ran on an H100 at world size 1 (``tests/mpi/test_nccl.py``, 2026-11-26; docs/gpu.md); between
+several GPUs it has not run anywhere (NCCL refuses two ranks on one GPU, and every machine lent
+here has one).
 
 Zero copy: NCCL reads and writes the torch tensors' memory through their raw pointers, on the
 communication stream, after an event recorded on the compute stream; the tensors are marked used

@@ -21,7 +21,8 @@ host itself must synchronize the stream before reading them (as with any CUDA ke
 The host blocks only where MPI needs host data: on the D2H copy before a send is posted.
 
 Status: the ordering logic is tested on the CPU under mpirun with :class:`SimDevice`
-(tests/mpi/test_staged_transport.py); with :class:`CudaDevice` it is UNVERIFIED (no GPU yet).
+(tests/mpi/test_staged_transport.py), and ran with :class:`CudaDevice` on an H100 (two ranks
+sharing it; docs/gpu.md).
 """
 
 from __future__ import annotations

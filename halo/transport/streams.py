@@ -268,8 +268,8 @@ class _CudaStream(Stream):
 
 
 class CudaDevice(Device):
-    """Streams of one CUDA device through torch. UNVERIFIED: no GPU in the session that wrote it;
-    the same logic runs in the CPU suite on :class:`SimDevice`."""
+    """Streams of one CUDA device through torch (run on an H100: docs/gpu.md); the same logic
+    runs in the CPU suite on :class:`SimDevice`."""
 
     type = "cuda"
 

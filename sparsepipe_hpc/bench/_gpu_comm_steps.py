@@ -10,8 +10,8 @@ halo plans included, as in training) on a grid of n x 1 x 1 ranks, the slowest r
 median over ``repeats`` after a warm-up, the variants timed in turn within each repeat so that a
 drift in the machine's load hits all of them alike. On CUDA each timed step is bracketed by
 ``torch.cuda.synchronize()``, so queued kernels count. The same code runs on CPU tensors with the
-mpi4py transport (``--device cpu``), which is how the CPU suite checks it; on CUDA it is
-UNVERIFIED (written without a GPU).
+mpi4py transport (``--device cpu``), which is how the CPU suite checks it; on CUDA it ran on an
+H100 (docs/gpu.md).
 
 The injected delay (:class:`~halo.transport.delay.DelayedTransport`, halo tags only) holds each
 halo exchange's ``wait`` on the host until ``d`` seconds after its ``start``: what the caller

@@ -397,11 +397,14 @@ def _strided(x: SparseTensor, c: int, args: Any, device: torch.device,
 
 def _gathers(n: int, c: int, args: Any, device: torch.device,
              dtype: Optional[torch.dtype]) -> dict[str, Any]:
-    """``y = x[perm]`` for x [n, c] and a random permutation, by four forms (all equal; the
-    element-wise ones build their index inside the timing, as a caller would)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, c, generator=g).to(device, dtype or torch.float32)
-    perm = torch.randperm(n, generator=g).to(device)
+    """``y = x[perm]`` for x [n, c] and a random permutation (a kernel map's rows are grouped by
+    offset, closer to ascending: a random one is the worst case for locality), by four forms,
+    all equal. ``elements`` builds its element index inside the timing, as a caller would;
+    ``index_copy``'s inverse permutation is built once outside it, as a kernel map would keep
+    it (and only a permutation has one)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, c, generator=g, device=device).to(dtype or torch.float32)
+    perm = torch.randperm(n, generator=g, device=device)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(n, device=device)
     cols = torch.arange(c, device=device)

@@ -62,7 +62,8 @@ class GradientReducer:
     (a parameter larger than that gets a bucket of its own); see the module docstring.
     ``comm``: an mpi4py communicator (None or one rank: nothing to do, no hooks). ``reducer``:
     makes the :class:`~halo.transport.base.Reducer` of device buckets from the duplicated
-    communicator (NCCL, or host-staged on a stream; None: MPI through host copies). Collective
+    communicator (NCCL, CUDA IPC, or host-staged on a stream; None: MPI through host copies),
+    closed by :meth:`close`. Collective
     over ``comm`` to construct (it duplicates the communicator)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], comm: Any,

@@ -14,7 +14,8 @@ pooling) of device tensors go through the matching reducer, ordered on the same 
 NCCL's for ``nccl``, CUDA IPC's for ``ipc``, host-staged MPI for ``staged``. Pipeline stage
 transfers of device tensors always go host-staged: their receives are posted late and from both
 directions at once, which MPI's matching serves, while NCCL (calls matched in order on one
-stream) and this IPC transport (a sender waits for its receiver's "ready") could block each other.
+stream) and this IPC transport (a send goes out only once its receiver has started) could block
+each other.
 """
 
 from __future__ import annotations

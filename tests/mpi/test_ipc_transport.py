@@ -221,7 +221,8 @@ def test_closing_with_a_send_not_carried_out_is_an_error(comm, make):
 def test_tensors_on_another_device_type_are_refused(comm, make):
     tr = make()
     tr.device.type = "cuda"  # the stand-in posing as a GPU: CPU tensors are then wrong
-    with pytest.raises(TransportError, match="must be a contiguous cuda tensor; got one on cpu"):
+    with pytest.raises(TransportError, match="must be a contiguous cuda tensor; got a tensor "
+                                             "on cpu"):
         tr.start([(0, torch.zeros(2))], [], tag=0)
 
 
