@@ -223,28 +223,26 @@ class IPCTransport(Transport):
         return target
 
     def _send_ready(self) -> bool:
-        """Carry out the sends whose "ready" has arrived: the copy into the peer's buffer, our
-        event after it, "done"; True while some still wait for theirs."""
+        """Carry out the sends whose "ready" has arrived, in start order per (peer, tag) (the
+        peer matches our "done"s in that order); True while some still wait for theirs."""
         waiting: list[_Send] = []
         behind: set[tuple[int, int]] = set()
         todo, self._unsent = self._unsent, []
         try:
             while todo:
-                self._carry_out(todo.pop(0), behind, waiting)
+                s = todo.pop(0)
+                arrived, msg = (False, ()) if (s.peer, s.tag) in behind else s.ready.test()
+                if arrived:
+                    self._carry_out(s, *msg)  # "ready": (the peer's buffer, its capacity)
+                else:
+                    waiting.append(s)
+                    behind.add((s.peer, s.tag))
         finally:  # after an error too: the failed send dropped, the rest still unsent
             self._unsent = waiting + todo
         return bool(waiting)
 
-    def _carry_out(self, s: _Send, behind: set[tuple[int, int]], waiting: list[_Send]) -> None:
-        """:meth:`_send_ready` for one send: carried out, or onto ``waiting`` (and its (peer,
-        tag) onto ``behind``: the peer matches our "done"s in start order)."""
-        arrived, msg = (False, None) if (s.peer, s.tag) in behind else s.ready.test()
-        if not arrived:
-            waiting.append(s)
-            behind.add((s.peer, s.tag))
-            return
-        assert msg is not None  # "ready" is (handle, capacity)
-        handle, capacity = msg
+    def _carry_out(self, s: _Send, handle: bytes, capacity: int) -> None:
+        """The copy of ``s`` into the peer's buffer ``handle``, our event after it, "done"."""
         nbytes = s.tensor.nbytes
         if capacity < nbytes:
             raise TransportError(f"IPCTransport: rank {s.peer} offered {capacity} bytes for a "

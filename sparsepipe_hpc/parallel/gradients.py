@@ -63,8 +63,8 @@ class GradientReducer:
     ``comm``: an mpi4py communicator (None or one rank: nothing to do, no hooks). ``reducer``:
     makes the :class:`~halo.transport.base.Reducer` of device buckets from the duplicated
     communicator (NCCL, CUDA IPC, or host-staged on a stream; None: MPI through host copies),
-    closed by :meth:`close`. Collective
-    over ``comm`` to construct (it duplicates the communicator)."""
+    closed by :meth:`close`. Collective over ``comm`` to construct (it duplicates the
+    communicator)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], comm: Any,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
