@@ -58,3 +58,5 @@ for step in range(args.steps):
     total = ctx.allreduce(loss.detach().clone())  # the global mean loss
     if ctx.is_root:
         print(f"step {step:3d}  loss {total.item():.4f}  ({x.num_voxels} of my voxels)", flush=True)
+
+ctx.close()  # collective: frees the communicators (and a GPU run's IPC buffers or NCCL comms)

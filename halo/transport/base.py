@@ -66,6 +66,11 @@ class Transport(ABC):
         a peer may send only after receiving those. Most transports hold nothing back."""
         return False
 
+    def close(self) -> None:
+        """Free what it holds (CUDA IPC's buffers, an NCCL communicator): collective over its
+        ranks, once every request has completed on every rank; closing again does nothing.
+        Most transports hold nothing such."""
+
 
 class Reducer(ABC):
     """All-reduces tensors of one device over the ranks of one communicator, stream-ordered.

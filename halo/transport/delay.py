@@ -55,3 +55,9 @@ class DelayedTransport(Transport):
             return req
         self.delayed += 1
         return DelayedRequest(req, t0 + self.seconds)
+
+    def progress(self) -> bool:
+        return self.inner.progress()
+
+    def close(self) -> None:
+        self.inner.close()

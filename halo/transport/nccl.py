@@ -82,14 +82,25 @@ class NCCLTransport(Transport, Reducer):
 
         self._nccl = nccl
         uid = comm.bcast(nccl.get_unique_id() if comm.Get_rank() == 0 else None, root=0)
-        self.nccl_comm = nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
+        self.nccl_comm: Any = nccl.NcclCommunicator(comm.Get_size(), uid, comm.Get_rank())
         self.device = device
         self.stream = device.new_stream("nccl")
+
+    def close(self) -> None:
+        """Destroy the NCCL communicator once its stream has run what was enqueued (closing
+        again does nothing; a call after it raises TransportError)."""
+        if self.nccl_comm is None:
+            return
+        self.stream.record().synchronize()
+        self.nccl_comm.destroy()
+        self.nccl_comm = None
 
     def _handle(self) -> int:
         return int(self.stream.stream.cuda_stream)  # type: ignore[attr-defined]
 
     def _check(self, t: torch.Tensor, what: str) -> None:
+        if self.nccl_comm is None:
+            raise TransportError("NCCLTransport: used after close (its communicator is gone)")
         if not t.is_cuda or not t.is_contiguous():
             raise TransportError(f"NCCLTransport: {what} must be a contiguous CUDA tensor; got "
                                  f"{'a non-contiguous' if t.is_cuda else 'a'} tensor on {t.device}")

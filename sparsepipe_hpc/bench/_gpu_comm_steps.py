@@ -165,6 +165,8 @@ def overlap_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.
         rows[k] = {**t[k], "exposed_wait_s": comm.allreduce(ctx.group.exposed_wait_s / repeats,
                                                             op=MPI.MAX),
                    "halo_exchanges_per_step": comm.allreduce(per_step, op=MPI.MAX)}
+    for ctx in ctxs.values():
+        ctx.close()  # IPC buffers and events are not the caching allocator's: free them now
     on0, off0 = rows[_key(True, 0.0)], rows[_key(False, 0.0)]
     se = median_se([r["all_s"] for r in rows.values()])
     out: dict[str, Any] = {
@@ -241,6 +243,7 @@ def ranks_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Mo
     shared, note = ranks_note(device.type, n, ranks_per_device(comm, device), available_cores())
     comm.Barrier()
     launches = step_launches(dist, device)  # every rank profiles its part of one more step
+    ctx.close()
     return {"one_rank": t["one_rank"], "n_ranks": t[f"{n}_ranks"], "ranks": n,
             "ratio_n_over_1": t[f"{n}_ranks"]["median_s"] / t["one_rank"]["median_s"],
             "shared_device": shared, "note": note, "launches": launches}
@@ -274,5 +277,6 @@ def write_traces(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Mod
     os.makedirs(folder, exist_ok=True)
     path = str(Path(folder) / f"gpu_comm_rank{comm.Get_rank()}.json")
     prof.export_chrome_trace(path)
+    ctx.close()
     comm.Barrier()
     return path

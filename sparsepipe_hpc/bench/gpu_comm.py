@@ -96,6 +96,7 @@ def sizes_section(comm: Any, names: list[str], streams: Any, max_bytes: int,
             rows.append({"transport": name, "bytes": nbytes,
                          "median_s": statistics.median(times), "min_s": min(times)})
             nbytes *= 4
+        tr.close()
     return {"transports": names, "rows": rows}
 
 

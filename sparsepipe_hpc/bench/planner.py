@@ -127,6 +127,7 @@ def worker(args: argparse.Namespace) -> None:
         trainer.train_step(indices, 0)
         comm.Barrier()
         times.append(time.perf_counter() - t0)
+    trainer.close()
     if comm.Get_rank() == 0:
         Path(args.result).write_text(json.dumps({"times": times[args.warmup:],
                                                  "median": statistics.median(times[args.warmup:])}))

@@ -109,6 +109,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"batch {cfg.batch_size}, on {trainer.device} with {torch.get_num_threads()} "
             f"compute thread(s); {args.rounds} rounds x {args.steps} steps per mode")
         result = measure(trainer, args.steps, args.rounds, say)
+        trainer.close()
     hidden = result["read_hidden_fraction"]
     say(f"step in line {result['inline_step_s'] * 1e3:.1f} ms, read ahead "
         f"{result['ahead_step_s'] * 1e3:.1f} ms (x{result['ratio_ahead_to_inline']:.3f}); "

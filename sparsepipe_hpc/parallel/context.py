@@ -1,11 +1,12 @@
 """ParallelContext: one rank's communicators and its share of the work, from a RankLayout.
 
-    ctx = ParallelContext(MPI.COMM_WORLD, RankLayout.from_world(4, grid=(2, 1, 1)))
-    x, y = ctx.distribute(batch_x, voxel_labels)   # this rank's voxels, context attached
-    share = F.cross_entropy(model(x).feats, y, reduction="sum") / ctx.global_count(len(y))
-    share.backward(); ctx.allreduce_gradients(model)    # = single-process gradients
-    # or bucketed, started during backward: r = ctx.gradient_reducer(model) once, then per step
-    # r.arm(); share.backward(); r.finish()
+    with ParallelContext(MPI.COMM_WORLD, RankLayout.from_world(4, grid=(2, 1, 1))) as ctx:
+        x, y = ctx.distribute(batch_x, voxel_labels)   # this rank's voxels, context attached
+        share = F.cross_entropy(model(x).feats, y, reduction="sum") / ctx.global_count(len(y))
+        share.backward(); ctx.allreduce_gradients(model)    # = single-process gradients
+        # or bucketed, started during backward: r = ctx.gradient_reducer(model) once, then per
+        # step r.arm(); share.backward(); r.finish(); and r.close() at the end
+    # leaving the block frees the communicators, transports and reducers (ctx.close())
 
 Loss convention: each rank computes a *share* of the loss, and the shares of all ranks sum to the
 single-process loss of the global batch. Gradients are then summed (not averaged) over every rank
@@ -151,6 +152,32 @@ class ParallelContext:
             raise ValueError(f"collect: the spatial ranks hold {len(all_keys)} voxels but "
                              f"full_coords has {len(want)}, or different ones")
         return all_vals[order[pos].to(all_vals.device)]
+
+    # --- end ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free this context's communicators and what its transports and reducers hold (CUDA
+        IPC buffers, NCCL communicators). **Collective**, once every exchange and all-reduce
+        has completed; closing again, or through a bound copy, does nothing more. Gradient
+        reducers from :meth:`gradient_reducer` are closed by their own ``close``."""
+        from mpi4py import MPI
+
+        if self.group is not None:
+            self.group.close()
+        for g in (self.spatial_group, self.stats_group):
+            if g.reducer is not None:
+                g.reducer.close()
+        for comm in (self.spatial_comm, self.stats_comm):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+
+    def __enter__(self) -> "ParallelContext":
+        return self
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        # Only after success: a collective close on an exception one rank alone raised would
+        # wait for ranks that never come (the exception ends the job instead).
+        if kind is None:
+            self.close()
 
     def bind(self, spatial: Any) -> "ParallelContext":
         c = copy.copy(self)

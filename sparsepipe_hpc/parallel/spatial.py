@@ -110,6 +110,8 @@ class SpatialGroup:
         self.grid = ProcessGrid(comm, dims)
         if transport is None:
             transport = MPITransport
+        # A transport made here is closed here; one passed in is its maker's to close.
+        self._owns_transport = not isinstance(transport, Transport)
         self.transport: Transport = (transport if isinstance(transport, Transport)
                                      else transport(self.grid.comm))
         self.overlap = overlap
@@ -117,6 +119,13 @@ class SpatialGroup:
         # for every part, the path before; kept for the equality tests and the benchmark).
         self.native_local = native_local
         self.exposed_wait_s = 0.0  # time blocked in exchange waits (what overlap did not hide)
+
+    def close(self) -> None:
+        """Close the transport made for this group and free the grid's communicator
+        (collective over the group, once every exchange has completed; again: nothing)."""
+        if self._owns_transport:
+            self.transport.close()
+        self.grid.free()
 
     def decompose(self, x: SparseTensor, align: int = 1, balanced: bool = True,
                   cuts: Optional[Cuts] = None) -> "SpatialDomain":

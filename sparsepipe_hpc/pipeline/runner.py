@@ -86,14 +86,24 @@ class Pipeline:
         if deferred_bn is not None:
             set_deferred_batchnorm(self.blocks, deferred_bn)
         pos, layout = ctx.position, ctx.layout
-        comm = ctx.world.Dup()
+        self._comm = comm = ctx.world.Dup()
         headers = MPITransport(comm)
         self.device = next(iter(model.parameters()), torch.empty(0)).device
         link = StageLink(transport(comm) if transport is not None else headers, headers,
                          self.device)
+        self._link = link
         self.executor = StageExecutor(self.blocks, self.plan, self.schedule, self.stage, link,
                                       lambda s: layout.rank_of(pos.replica, s, pos.spatial),
                                       autocast)
+
+    def close(self) -> None:
+        """Close the payload transport and free the stage messages' communicator (collective
+        over the job, after the last :meth:`run`; closing again does nothing)."""
+        from mpi4py import MPI
+
+        self._link.transport.close()
+        if self._comm != MPI.COMM_NULL:
+            self._comm.Free()
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """This stage's parameters (the slice of the model this rank trains)."""

@@ -77,6 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(2) from e
     try:
         trainer.run()
+        trainer.close()
     except (SetupError, OutputError) as e:
         # Raised on every rank together (a full or read-only disk at a checkpoint or metrics
         # write is agreed before anyone goes on); any other exception aborts the job.

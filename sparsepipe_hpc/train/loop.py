@@ -3,6 +3,7 @@
     cfg = parse_config(["--task", "seg", "--steps", "100"])
     trainer = Trainer(cfg, MPI.COMM_WORLD)   # collective: every rank builds the same trainer
     result = trainer.run()                   # {"step", "stopped", "train": {...}, "eval": {...}}
+    trainer.close()                          # collective: communicators, transports, files
 
 One step on one rank::
 
@@ -436,6 +437,18 @@ class Trainer:
                 if stopped or done:
                     break
         return last_train, last_eval, stopped
+
+    def close(self) -> None:
+        """Free the run's communicators, transports and reducers and close the data files.
+        **Collective**, after :meth:`run` (or any last :meth:`evaluate`); again: nothing more."""
+        for pipe in (self.pipe, self.eval_pipe):
+            if pipe is not None:
+                pipe.close()
+        if self.reducer is not None:
+            self.reducer.close()
+        self.ctx.close()
+        self.train_set.close()
+        self.val_set.close()
 
     # --- messages --------------------------------------------------------------------------------
     def _say(self, text: str, bar: Any = None) -> None:

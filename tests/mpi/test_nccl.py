@@ -37,3 +37,9 @@ def test_ring_and_allreduce(comm, nccl_transport):
     assert recv.eq(float(left)).all()
     want = torch.arange(10, dtype=torch.float64) * sum(r + 1 for r in range(comm.size))
     assert torch.equal(t.cpu(), want)
+    nccl_transport.close()
+    nccl_transport.close()  # again: nothing
+    from halo.transport.base import TransportError
+
+    with pytest.raises(TransportError, match="after close"):
+        nccl_transport.iallreduce_(t)

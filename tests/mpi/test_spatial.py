@@ -106,6 +106,7 @@ def run_pair(comm, grid, cuts, net, x, align, probe_seed=7, explicit=None, trans
         ctx.allreduce_gradients(dist)
     for (name, ps), pd in zip(serial.named_parameters(), dist.parameters()):
         torch.testing.assert_close(pd.grad, ps.grad, **tol, msg=lambda m: f"{name}: {m}")
+    ctx.close()  # collective: the transports and reducers ``transport`` and ``reducer`` made
 
 
 LAYERS = {
@@ -151,8 +152,9 @@ def staged_on_stand_in(comm):
 
 class IPCOnStandIn:
     """Makes IPC device transports and reducers, their streams on the CPU stand-in device and
-    their buffers and events in shared memory, and keeps them to close. No lag: the layers read
-    what a wait delivered on the host at once, where a GPU would read it on the stream."""
+    their buffers and events in shared memory, and keeps them (to count and check). No lag: the
+    layers read what a wait delivered on the host at once, where a GPU would read it on the
+    stream."""
 
     def __init__(self) -> None:
         self.made: list[Any] = []
@@ -165,9 +167,21 @@ class IPCOnStandIn:
         self.made.append(CountingIPCReducer(comm, SimDevice()))
         return self.made[-1]
 
-    def close(self) -> None:
-        for made in self.made:
-            made.close()  # collective over its group
+    def all_closed(self) -> bool:
+        """Every transport and reducer made is closed, and no shared-memory file of this
+        process is left (buffers and events are unlinked on close)."""
+        transports = [m.transport if isinstance(m, IPCReducer) else m for m in self.made]
+        return all(t.closed for t in transports) and not own_shm_files()
+
+
+def own_shm_files() -> list[str]:
+    """This process's SimIPCMemory files in /dev/shm."""
+    import os
+
+    from halo.transport.ipc_memory import PREFIX
+
+    mine = f"{PREFIX}{os.getpid()}-"
+    return [f for f in os.listdir("/dev/shm") if f.startswith(mine)]
 
 
 class CountingIPCReducer(IPCReducer):
@@ -210,7 +224,7 @@ def test_device_transport_equals_serial(comm, model, kind, transport):
             ipc = IPCOnStandIn()
             run_pair(comm, grid, "balanced", net, x, align, transport=ipc.transport,
                      reducer=ipc.reducer, bucketed=True)
-            ipc.close()
+            assert ipc.all_closed(), "ParallelContext.close left IPC buffers or events open"
             reduced = sum(m.started for m in ipc.made if isinstance(m, IPCReducer))
         else:
             reducers = CountingReducers()
@@ -219,6 +233,29 @@ def test_device_transport_equals_serial(comm, model, kind, transport):
             reduced = sum(r.pool.allocated for r in reducers.made)
         if comm.size > 1:  # statistics / pooling (spatial) group and the gradient buckets
             assert reduced > 0, "no reduction went through the reducer"
+
+
+def test_context_closes_after_success_once_and_leaves_nothing_open(comm):
+    """``with ParallelContext(...)`` closes the transports and reducers it made and frees its
+    communicators; after an exception it closes nothing (a collective close would wait for
+    ranks that raised nothing); a second close, or one through a bound copy, does nothing."""
+    from mpi4py import MPI
+
+    ipc = IPCOnStandIn()
+    layout = RankLayout(1, 1, (comm.size, 1, 1))
+    with pytest.raises(RuntimeError, match="on this rank"):
+        with ParallelContext(comm, layout, transport=ipc.transport, reducer=ipc.reducer,
+                             force_spatial=True) as ctx:
+            raise RuntimeError("on this rank")
+    assert ctx.spatial_comm != MPI.COMM_NULL and not any(t.closed for t in ipc.made
+                                                         if isinstance(t, IPCTransport))
+    bound = ctx.bind(None)
+    with ctx:
+        ctx.allreduce(torch.ones(3))  # still usable
+    assert ipc.all_closed()
+    assert MPI.COMM_NULL == ctx.spatial_comm == ctx.stats_comm == ctx.group.grid.comm
+    bound.close()
+    ctx.close()
 
 
 def odd_cuts(grid, extent, offset):

@@ -175,3 +175,56 @@ def test_the_trainer_hands_its_stage_transport_to_the_pipeline(comm, shared, mon
     assert all(tr.pool.allocated > 0 for tr in stage_transports), "a stage skipped the transport"
     assert staged["train"]["loss"] == pytest.approx(plain["train"]["loss"], rel=1e-6)
     assert staged["eval"]["miou"] == pytest.approx(plain["eval"]["miou"], rel=1e-6)
+    t.close()  # the stage messages' communicators too
+    assert all(pipe._comm == MPI.COMM_NULL for pipe in (t.pipe, t.eval_pipe))
+
+
+def test_ipc_trains_as_mpi_and_close_frees_what_the_trainer_made(comm, shared, monkeypatch):
+    """--transport ipc's path (halos, plan coordinates and every device reduction through CUDA
+    IPC; here its buffers and events in shared memory, its streams on the stand-in device)
+    trains the same losses as mpi4py on host tensors; ``Trainer.close`` closes every IPC
+    transport and reducer (the spatial and statistics groups', the gradient buckets'), frees
+    the communicators and leaves no shared-memory file."""
+    if comm.size < 2:
+        pytest.skip("a spatial grid needs 2+ ranks")
+    import os
+
+    from halo.transport.ipc import IPCTransport
+    from halo.transport.ipc_memory import PREFIX
+    from halo.transport.ipc_reduce import IPCReducer
+    from halo.transport.streams import SimDevice
+    from sparsepipe_hpc.train import loop
+    from sparsepipe_hpc.train.transport import DeviceComm
+
+    grid = ["--grid", f"{comm.size},1,1", "--steps", "2"]
+    plain = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / "ipc-mpi"))), comm,
+                    log=None).run()
+    made: list[IPCTransport] = []
+
+    def ipc_on_stand_in(name, device):
+        dev = SimDevice()
+
+        def transport(grid_comm):
+            made.append(IPCTransport(grid_comm, dev))
+            return made[-1]
+
+        def reducer(group_comm):
+            r = IPCReducer(group_comm, dev)
+            made.append(r.transport)
+            return r
+        return DeviceComm(halo=transport, reducer=reducer)
+
+    monkeypatch.setattr(loop, "device_comm", ipc_on_stand_in)
+    t = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / "ipc-run"))), comm,
+                log=None)
+    ipc = t.run()
+    assert ipc["train"]["loss"] == pytest.approx(plain["train"]["loss"], rel=1e-6)
+    assert ipc["eval"]["miou"] == pytest.approx(plain["eval"]["miou"], rel=1e-6)
+    # the halo transport, the spatial and statistics groups' reducers, the gradient buckets'
+    assert len(made) == 4 and not any(tr.closed for tr in made)
+    t.close()
+    assert all(tr.closed for tr in made)
+    assert MPI.COMM_NULL == t.ctx.spatial_comm == t.ctx.stats_comm == t.ctx.group.grid.comm
+    mine = f"{PREFIX}{os.getpid()}-"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(mine)]
+    t.close()  # again: nothing
