@@ -179,14 +179,17 @@ def test_the_trainer_hands_its_stage_transport_to_the_pipeline(comm, shared, mon
     assert all(pipe._comm == MPI.COMM_NULL for pipe in (t.pipe, t.eval_pipe))
 
 
-def test_ipc_trains_as_mpi_and_close_frees_what_the_trainer_made(comm, shared, monkeypatch):
+@pytest.mark.parametrize("layout", ["grid", "replicas"])
+def test_ipc_trains_as_mpi_and_close_frees_what_the_trainer_made(comm, shared, monkeypatch,
+                                                                 layout):
     """--transport ipc's path (halos, plan coordinates and every device reduction through CUDA
     IPC; here its buffers and events in shared memory, its streams on the stand-in device)
-    trains the same losses as mpi4py on host tensors; ``Trainer.close`` closes every IPC
-    transport and reducer (the spatial and statistics groups', the gradient buckets'), frees
-    the communicators and leaves no shared-memory file."""
+    trains the same losses as mpi4py on host tensors, on a spatial grid and over data-parallel
+    replicas; ``Trainer.close`` closes every IPC transport and reducer (the spatial and
+    statistics groups', the gradient buckets'), frees the communicators and leaves no
+    shared-memory file."""
     if comm.size < 2:
-        pytest.skip("a spatial grid needs 2+ ranks")
+        pytest.skip("needs 2+ ranks")
     import os
 
     from halo.transport.ipc import IPCTransport
@@ -196,9 +199,9 @@ def test_ipc_trains_as_mpi_and_close_frees_what_the_trainer_made(comm, shared, m
     from sparsepipe_hpc.train import loop
     from sparsepipe_hpc.train.transport import DeviceComm
 
-    grid = ["--grid", f"{comm.size},1,1", "--steps", "2"]
-    plain = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / "ipc-mpi"))), comm,
-                    log=None).run()
+    grid = ["--grid", f"{comm.size},1,1" if layout == "grid" else "1,1,1", "--steps", "2"]
+    plain = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / f"ipc-mpi-{layout}"))),
+                    comm, log=None).run()
     made: list[IPCTransport] = []
 
     def ipc_on_stand_in(name, device):
@@ -215,16 +218,17 @@ def test_ipc_trains_as_mpi_and_close_frees_what_the_trainer_made(comm, shared, m
         return DeviceComm(halo=transport, reducer=reducer)
 
     monkeypatch.setattr(loop, "device_comm", ipc_on_stand_in)
-    t = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / "ipc-run"))), comm,
+    t = Trainer(parse_config(argv(shared, *grid, "--out", str(shared / f"ipc-{layout}"))), comm,
                 log=None)
     ipc = t.run()
     assert ipc["train"]["loss"] == pytest.approx(plain["train"]["loss"], rel=1e-6)
     assert ipc["eval"]["miou"] == pytest.approx(plain["eval"]["miou"], rel=1e-6)
-    # the halo transport, the spatial and statistics groups' reducers, the gradient buckets'
-    assert len(made) == 4 and not any(tr.closed for tr in made)
+    # grid: the halo transport, the spatial and statistics groups' reducers, the gradient
+    # buckets'; replicas (no spatial group): the statistics group's and the buckets'
+    assert len(made) == (4 if layout == "grid" else 2) and not any(tr.closed for tr in made)
     t.close()
     assert all(tr.closed for tr in made)
-    assert MPI.COMM_NULL == t.ctx.spatial_comm == t.ctx.stats_comm == t.ctx.group.grid.comm
+    assert MPI.COMM_NULL == t.ctx.spatial_comm == t.ctx.stats_comm
     mine = f"{PREFIX}{os.getpid()}-"
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(mine)]
     t.close()  # again: nothing
