@@ -79,6 +79,24 @@ def test_delayed_transport_holds_requests_back(monkeypatch):
     assert clock.slept[1:] == [pytest.approx(0.03)] and picky.delayed == 1
 
 
+def test_delayed_transport_hands_progress_and_close_to_the_one_it_wraps():
+    """A wrapped staged transport must still hand on its held-back sends, and be closed."""
+    calls = []
+
+    class Inner(halo.MPITransport):
+        def progress(self):
+            calls.append("progress")
+            return True
+
+        def close(self):
+            calls.append("close")
+
+    slow = halo.DelayedTransport(Inner(MPI.COMM_SELF), 0.01)
+    assert slow.progress() is True
+    slow.close()
+    assert calls == ["progress", "close"]
+
+
 def self_plan():
     """Rank 0 sends itself two blocks; local row 2 is in both (like a corner voxel)."""
     return HaloPlan(send_ranks=[0, 0], send_rows=[torch.tensor([1, 2]), torch.tensor([2, 4])],

@@ -91,7 +91,8 @@ class Reducer(ABC):
 
     def close(self) -> None:
         """Free what it holds that peers use (CUDA IPC's buffers): collective over its ranks,
-        once every all-reduce has completed on every rank. Most reducers hold nothing such."""
+        once every all-reduce has completed on every rank; closing again does nothing. Most
+        reducers hold nothing such."""
 
     def _check(self, t: torch.Tensor, op: str) -> None:
         """Refuse, before anything is enqueued, an ``op`` MPI has no reduction for or a ``t``

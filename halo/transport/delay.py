@@ -37,7 +37,8 @@ class DelayedRequest(Request):
 
 
 class DelayedTransport(Transport):
-    """``inner`` with every request's completion held back until ``seconds`` after its start."""
+    """``inner`` with every request's completion held back until ``seconds`` after its start;
+    ``progress`` and ``close`` are ``inner``'s (it owns ``inner``)."""
 
     def __init__(self, inner: Transport, seconds: float,
                  tags: Optional[Collection[int]] = None) -> None:

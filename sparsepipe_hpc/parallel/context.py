@@ -50,6 +50,8 @@ class ParallelContext:
     :class:`~halo.transport.base.Reducer` of device tensors over a communicator (called for the
     spatial, statistics and gradient communicators; None: MPI, through host copies for device
     tensors); force_spatial: run the distributed layers even on a 1x1x1 grid (benchmarks).
+    :meth:`close` closes what the two functions returned (so they must return new objects); a
+    Transport passed in as such is the caller's to close.
     """
 
     def __init__(self, comm: Any, layout: RankLayout, cuts: str = "balanced",
@@ -117,6 +119,7 @@ class ParallelContext:
         ``cuts``: explicit cut positions (level-0 voxels, the same on every rank of the group)
         instead of the context's ``cuts`` mode.
         """
+        self._check_open()
         if self.group is None:
             return (x.replace(context=self), *payloads)
         domain = self.group.decompose(x, align=align, balanced=self.cuts_mode == "balanced",
@@ -138,6 +141,7 @@ class ParallelContext:
         dtype), e.g. to project predictions back to points with the batch's ``point_to_voxel``
         map. Collective over the spatial group (:func:`~halo.transport.collectives.allgatherv`).
         """
+        self._check_open()
         if self.group is None:
             return values
         from halo.kmap import coord_keys
@@ -154,6 +158,12 @@ class ParallelContext:
         return all_vals[order[pos].to(all_vals.device)]
 
     # --- end ------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        from mpi4py import MPI
+
+        if self.stats_comm == MPI.COMM_NULL:  # freed by close (bound copies share it)
+            raise RuntimeError("ParallelContext used after close(); build a new one")
+
     def close(self) -> None:
         """Free this context's communicators and what its transports and reducers hold (CUDA
         IPC buffers, NCCL communicators). **Collective**, once every exchange and all-reduce
@@ -187,15 +197,18 @@ class ParallelContext:
     # --- reductions ------------------------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce over the stage's ranks (replicas and spatial ranks)."""
+        self._check_open()
         return allreduce_(t, self.stats_group, op)
 
     def global_count(self, n_local: int) -> int:
         """The sum of ``n_local`` over the stage's ranks (e.g. voxels in the global batch)."""
+        self._check_open()
         return int(self.stats_comm.allreduce(int(n_local)))
 
     def allreduce_gradients(self, params: Sequence[torch.nn.Parameter] | torch.nn.Module) -> None:
         """Sum gradients over every rank holding these parameters, in one flat buffer per dtype
         (a parameter without a gradient counts as zeros and gets the sum)."""
+        self._check_open()
         if isinstance(params, torch.nn.Module):
             params = list(params.parameters())
         if self.stats_comm.Get_size() == 1:
@@ -217,12 +230,14 @@ class ParallelContext:
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> GradientReducer:
         """A :class:`GradientReducer` over the stage's ranks: :meth:`allreduce_gradients`'s sums,
         bucketed and started during the step's last backward (collective to construct)."""
+        self._check_open()
         if isinstance(params, torch.nn.Module):
             params = list(params.parameters())
         return GradientReducer(params, self.stats_comm, bucket_bytes, reducer=self.make_reducer)
 
     def broadcast_parameters(self, module: torch.nn.Module) -> None:
         """Make every rank start from rank 0's parameters and buffers."""
+        self._check_open()
         if self.world.Get_size() == 1:
             return
         for t in list(module.parameters()) + list(module.buffers()):

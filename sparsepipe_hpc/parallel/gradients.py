@@ -85,6 +85,7 @@ class GradientReducer:
         self._hooks: list[Any] = []
         self._armed = False
         self._next = 0  # the first bucket not started yet
+        self.closed = False
         if self.active:
             self._build()
 
@@ -114,6 +115,7 @@ class GradientReducer:
     # --- one step ----------------------------------------------------------------------------
     def arm(self) -> None:
         """The next backward is the step's last: start each bucket as its gradients arrive."""
+        self._check_open()
         if self._armed:
             raise GradientReducerError("GradientReducer.arm() called twice without finish(); "
                                        "arm once per step, before the step's last backward")
@@ -158,6 +160,7 @@ class GradientReducer:
     def finish(self) -> None:
         """Start the buckets not started yet, wait for all, and set every ``p.grad`` to its sum.
         Without a preceding :meth:`arm` this reduces everything now (the one-shot path)."""
+        self._check_open()
         if not self.active:
             self._armed = False
             return
@@ -174,9 +177,14 @@ class GradientReducer:
                 p.grad = bucket.buffer[off:off + p.numel()].view_as(p).clone()
         self._armed = False
 
+    def _check_open(self) -> None:
+        if self.closed:  # inactive after close: it would leave every gradient unsummed
+            raise GradientReducerError("GradientReducer used after close(); make a new one")
+
     def close(self) -> None:
         """Remove the hooks, close the reducer and free the duplicated communicator
-        (collective)."""
+        (collective); closing again does nothing."""
+        self.closed = True
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

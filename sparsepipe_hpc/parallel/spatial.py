@@ -103,6 +103,8 @@ class SpatialGroup:
     :class:`~halo.transport.base.Transport` over the grid's ranks, or a function that makes one
     from the grid's communicator (``lambda comm: make_transport("staged", comm, device)``);
     default mpi4py on host tensors. Device tensors need a device transport (staged, ipc, nccl).
+    :meth:`close` closes what such a function returned; a transport passed in is its maker's
+    to close.
     """
 
     def __init__(self, comm: Any, dims: Sequence[int], transport: TransportSpec = None,

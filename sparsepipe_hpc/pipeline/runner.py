@@ -6,6 +6,7 @@
     local = [ctx.distribute(x, y, align=model.total_stride) for x, y in parts]
     shares = pipe.run([x for x, _ in local], [x.context for x, _ in local], loss_fn,
                       step=lambda: (ctx.allreduce_gradients(pipe.parameters()), opt.step()))
+    pipe.close(); ctx.close()                                      # collective, at the end
 
 Every rank holds the whole model (so one seed or one broadcast initializes every stage alike) and
 runs ``model.blocks[a:b]`` of its stage; ``parameters()`` are the ones its optimizer and its

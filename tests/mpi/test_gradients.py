@@ -120,6 +120,12 @@ def test_two_backwards_while_armed_is_an_error(comm):
         r.arm()
     r.finish()
     r.close()
+    r.close()  # again: nothing
+    # Inactive once closed, a finish would leave every gradient unsummed: refused instead.
+    with pytest.raises(GradientReducerError, match="used after close"):
+        r.finish()
+    with pytest.raises(GradientReducerError, match="used after close"):
+        r.arm()
 
 
 def test_bad_bucket_size():

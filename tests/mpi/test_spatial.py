@@ -256,6 +256,16 @@ def test_context_closes_after_success_once_and_leaves_nothing_open(comm):
     assert MPI.COMM_NULL == ctx.spatial_comm == ctx.stats_comm == ctx.group.grid.comm
     bound.close()
     ctx.close()
+    for use in (lambda c: c.allreduce(torch.ones(3)), lambda c: c.global_count(1),
+                lambda c: c.distribute(make_cloud(3, "random"))):
+        for c in (ctx, bound):
+            with pytest.raises(RuntimeError, match="used after close"):
+                use(c)
+    # A transport passed in (not a function making one) is the caller's: close leaves it open.
+    mine = IPCTransport(comm, SimDevice())
+    ParallelContext(comm, layout, transport=mine, force_spatial=True).close()
+    assert not mine.closed
+    mine.close()
 
 
 def odd_cuts(grid, extent, offset):

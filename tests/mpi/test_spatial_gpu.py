@@ -89,6 +89,7 @@ def test_unet_on_cuda_equals_serial(comm, name, engine):
         buckets = ctx.gradient_reducer(dist, 256)
         buckets.finish()  # the bucketed path (one-shot here), through the reducer
         buckets.close()
+        ctx.close()  # IPC buffers and NCCL communicators, not the caching allocator's
         for (n, ps), pd in zip(serial.named_parameters(), dist.parameters()):
             close(pd.grad, ps.grad, msg=lambda m: f"{n}: {m}")
 
