@@ -1,6 +1,12 @@
 """Train a spatially distributed sparse U-Net from your own training loop (no trainer).
 
     mpirun -n 4 python examples/spatial_unet.py --grid 2,2,1 --steps 20
+    mpirun -n 2 python examples/spatial_unet.py --device cuda --transport ipc   # GPUs
+
+On GPUs each rank takes the GPU of its local rank (``launch.device.bind_gpu``), and device tensors
+move between ranks through the transport named (``staged``: device -> pinned host -> MPI, any
+MPI; ``ipc``: CUDA IPC between the ranks of a node; ``nccl``: one GPU per rank); BatchNorm
+statistics and gradients are all-reduced by its reducer, on the GPU's streams.
 
 Every rank builds the same room (the same seed), keeps the voxels of its box, and the U-Net's
 convolutions exchange halos with the neighbouring boxes. The loss each rank computes is its share
@@ -12,6 +18,7 @@ job ends (``mpirun -n 4 python -m launch run examples/spatial_unet.py ...`` does
 """
 
 import argparse
+import sys
 
 from launch.run import abort_on_exception
 
@@ -30,14 +37,39 @@ from sparsepipe_hpc.parallel import ParallelContext, RankLayout, parse_grid
 p = argparse.ArgumentParser()
 p.add_argument("--grid", default=None, help="spatial grid per replica, e.g. 2,2,1")
 p.add_argument("--steps", type=int, default=20)
+p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+p.add_argument("--transport", choices=("staged", "ipc", "nccl"), default="staged",
+               help="with --device cuda: what moves device tensors between ranks")
 args = p.parse_args()
 torch.set_num_threads(1)
 
 comm = MPI.COMM_WORLD
 grid = parse_grid(args.grid) or (comm.size, 1, 1)
-ctx = ParallelContext(comm, RankLayout.from_world(comm.size, grid=grid))
+layout = RankLayout.from_world(comm.size, grid=grid)
+if args.device == "cuda":
+    from halo.transport.nccl import nccl_available
+    from halo.transport.select import choose_transport, make_reducer, make_transport
+    from halo.transport.streams import CudaDevice
+    from launch.device import bind_gpu, ranks_per_gpu
+    from launch.env import detect
+
+    gpu = bind_gpu(detect())  # this local rank's GPU, made current
+    if gpu is None:
+        sys.exit("--device cuda: no CUDA device here")
+    device = torch.device("cuda", gpu)
+    # A TransportError naming the remedy, on every rank, for nccl where ranks share a GPU.
+    choose_transport(args.transport, "cuda", nccl=nccl_available(),
+                     shared_gpu=ranks_per_gpu(comm, gpu) > 1)
+    streams = CudaDevice(device)  # the compute stream and the communication streams
+    ctx = ParallelContext(comm, layout,
+                          transport=lambda c: make_transport(args.transport, c, streams),
+                          reducer=lambda c: make_reducer(args.transport, c, streams))
+else:
+    device = torch.device("cpu")
+    ctx = ParallelContext(comm, layout)
 net = SparseUNet(in_channels=3, num_classes=len(SEG_CLASSES), width=8, depth=3)
 ctx.broadcast_parameters(net)
+net.to(device)
 opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
 shape, voxel = (112, 112, 64), 0.05  # a fixed global grid: 5.6 m x 5.6 m x 3.2 m from the origin
 
@@ -49,6 +81,7 @@ for step in range(args.steps):
                    labels=label, num_classes=len(SEG_CLASSES), clip=True)
     batch = SparseTensor.from_voxels([vox], shape)
     x, y = ctx.distribute(batch, vox.labels, align=net.total_stride)  # my box's voxels
+    x, y = x.to(device), y.to(device)
     logits = net(x).feats
     loss = F.cross_entropy(logits, y, reduction="sum") / ctx.global_count(len(y))
     opt.zero_grad()
@@ -59,4 +92,4 @@ for step in range(args.steps):
     if ctx.is_root:
         print(f"step {step:3d}  loss {total.item():.4f}  ({x.num_voxels} of my voxels)", flush=True)
 
-ctx.close()  # collective: frees the communicators (and a GPU run's IPC buffers or NCCL comms)
+ctx.close()  # collective: frees the communicators, and a GPU run's IPC buffers or NCCL comms
