@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from halo.transport.base import Transport
+from sparsepipe_hpc.bench.common import sync
 from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["halo_factory", "time_side_by_side", "hidden_fraction", "median_se",
@@ -53,11 +54,6 @@ def halo_factory(name: str, streams: Any, delay_s: float) -> Factory:
                                          tags=(EXCHANGE_TAG, EXCHANGE_TAG + 1))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _idle_barrier(comm: Any) -> None:
     """A barrier that sleeps instead of spinning a core (a waiting rank must not slow a lone
     rank's timed step on a shared CPU)."""
@@ -74,10 +70,10 @@ def _timed(comm: Any, fn: Callable[[], Any], device: torch.device, solo: bool) -
     if not solo:
         comm.Barrier()
     if not solo or comm.Get_rank() == 0:
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         dt = time.perf_counter() - t
     if solo:
         _idle_barrier(comm)
@@ -266,14 +262,14 @@ def write_traces(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Mod
                           force_spatial=True, reducer=reducer)
     fn = step_fn(make_net(), x, ctx, align)
     fn()  # warm-up outside the trace
-    _sync(device)
+    sync(device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     comm.Barrier()
     with profile(activities=acts) as prof:
         for i in range(steps):
             with record_function(f"step {i}"):
                 fn()
-            _sync(device)
+            sync(device)
     os.makedirs(folder, exist_ok=True)
     path = str(Path(folder) / f"gpu_comm_rank{comm.Get_rank()}.json")
     prof.export_chrome_trace(path)

@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: a synthetic room as a SparseTensor, timing, JSON output."""
+"""Shared pieces of the benchmarks: a synthetic room as a SparseTensor, timing (side by side,
+CUDA events on a GPU), JSON output."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.voxelize import voxelize
 
-__all__ = ["synthetic_room", "timeit", "timeit_pair", "write_json", "environment"]
+__all__ = ["synthetic_room", "sync", "time_alternating", "time_step", "write_json",
+           "environment"]
 
 
 def synthetic_room(voxel_size: float = 0.03, size=(6.0, 6.0, 3.0), points: int = 1_000_000,
@@ -36,32 +38,54 @@ def synthetic_room(voxel_size: float = 0.03, size=(6.0, 6.0, 3.0), points: int =
     return SparseTensor.from_voxels([vox], shape)
 
 
-def timeit(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
-    """Median and min wall time of ``fn`` in seconds over ``repeats`` runs after ``warmup``."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_once(fn: Callable[[], Any], device: torch.device) -> tuple[float, Optional[int]]:
+    """Seconds of one ``fn()`` (CUDA events on a GPU, wall clock on a CPU) and the peak device
+    memory during it (None on a CPU)."""
+    if device.type != "cuda":
         t = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t)
-    return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats}
+        return time.perf_counter() - t, None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(device)
 
 
-def timeit_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int = 5,
-                warmup: int = 1) -> tuple[dict[str, float], dict[str, float]]:
-    """Time two functions alternately (a, b, a, b, ...) so drifts in machine load hit both alike."""
+def time_alternating(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int,
+                     warmup: int = 1) -> dict[str, dict[str, Any]]:
+    """Per name of ``fns``: median and min seconds of one call and its peak device memory.
+
+    ``warmup`` rounds, then ``repeats`` rounds that call every function once in turn, so that
+    drift (clocks, other load, allocator state) falls on all of them alike.
+    """
     for _ in range(warmup):
-        a()
-        b()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for fn, out in ((a, times[0]), (b, times[1])):
-            t = time.perf_counter()
+        for fn in fns.values():
             fn()
-            out.append(time.perf_counter() - t)
-    return tuple({"median_s": statistics.median(ts), "min_s": min(ts), "repeats": repeats}
-                 for ts in times)  # type: ignore[return-value]
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    peaks: dict[str, Optional[int]] = {name: None for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t, peak = _time_once(fn, device)
+            times[name].append(t)
+            if peak is not None:
+                peaks[name] = max(peaks[name] or 0, peak)
+    return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "repeats": repeats,
+                   "peak_bytes": peaks[name]} for name, ts in times.items()}
+
+
+def time_step(fn: Callable[[], Any], device: torch.device, repeats: int,
+              warmup: int = 1) -> dict[str, Any]:
+    """Median and min seconds of ``fn`` (CUDA events on a GPU) and the peak device memory."""
+    return time_alternating({"fn": fn}, device, repeats, warmup)["fn"]
 
 
 def environment(comm: Optional[Any] = None) -> dict[str, Any]:

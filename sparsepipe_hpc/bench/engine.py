@@ -15,9 +15,12 @@ from typing import Any
 import torch
 
 from halo.kmap import kernel_map
-from sparsepipe_hpc.bench.common import environment, synthetic_room, timeit, timeit_pair, write_json
+from sparsepipe_hpc.bench.common import (environment, synthetic_room, time_alternating, time_step,
+                                         write_json)
 from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.nn import SparseUNet
+
+CPU = torch.device("cpu")  # the engines compare on one CPU thread (spconv's CPU build)
 
 
 def main(argv: list[str]) -> None:
@@ -42,8 +45,8 @@ def main(argv: list[str]) -> None:
     for name in ("torch", "spconv"):
         eng = get_engine(name)
         outs[name] = eng.forward(feats, w, km)
-        t = timeit(lambda: eng.backward(feats, w, eng.forward(feats, w, km), km),
-                   repeats=args.repeats)
+        t = time_step(lambda: eng.backward(feats, w, eng.forward(feats, w, km), km), CPU,
+                      args.repeats)
         result["layer"][name] = t
         print(f"subm3 layer {c}->{c} fwd+bwd  {name:6s} {t['median_s'] * 1e3:8.1f} ms")
     err = (outs["torch"] - outs["spconv"]).abs().max().item()
@@ -60,8 +63,9 @@ def main(argv: list[str]) -> None:
             net(x.replace(kmaps={})).feats.square().mean().backward()
         return step
 
-    times = timeit_pair(unet_step("torch"), unet_step("spconv"), repeats=args.repeats)
-    for name, t in zip(("torch", "spconv"), times):
+    times = time_alternating({"torch": unet_step("torch"), "spconv": unet_step("spconv")}, CPU,
+                             args.repeats)
+    for name, t in times.items():
         result["unet"][name] = t
         print(f"U-Net w{args.width} fwd+bwd        {name:6s} {t['median_s']:8.2f} s")
     result["unet"]["ratio_spconv_over_torch"] = (result["unet"]["spconv"]["median_s"]

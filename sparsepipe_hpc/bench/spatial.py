@@ -25,7 +25,7 @@ import time
 import torch
 from mpi4py import MPI
 
-from sparsepipe_hpc.bench.common import environment, synthetic_room, timeit_pair, write_json
+from sparsepipe_hpc.bench.common import environment, synthetic_room, time_alternating, write_json
 from sparsepipe_hpc.nn import SparseUNet
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.layout import RankLayout
@@ -121,8 +121,10 @@ def main(argv: list[str]) -> None:
     # 1. serial and 1-rank distributed, on rank 0 alone
     if rank == 0:
         ctx1 = ParallelContext(MPI.COMM_SELF, RankLayout(1, 1, (1, 1, 1)), force_spatial=True)
-        serial, dist1 = timeit_pair(step_fn(unet(), x), step_fn(unet(), x, ctx1, align),
-                                    repeats=args.repeats)
+        t = time_alternating({"serial": step_fn(unet(), x),
+                              "distributed": step_fn(unet(), x, ctx1, align)},
+                             torch.device("cpu"), args.repeats)
+        serial, dist1 = t["serial"], t["distributed"]
         result["overhead_1rank"] = {"serial_s": serial["median_s"], "distributed_s": dist1["median_s"],
                                     "ratio": dist1["median_s"] / serial["median_s"]}
         say(f"overhead at 1 rank: serial {serial['median_s']:.2f} s, distributed "
