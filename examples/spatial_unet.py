@@ -18,7 +18,6 @@ job ends (``mpirun -n 4 python -m launch run examples/spatial_unet.py ...`` does
 """
 
 import argparse
-import sys
 
 from launch.run import abort_on_exception
 
@@ -38,9 +37,11 @@ p = argparse.ArgumentParser()
 p.add_argument("--grid", default=None, help="spatial grid per replica, e.g. 2,2,1")
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-p.add_argument("--transport", choices=("staged", "ipc", "nccl"), default="staged",
-               help="with --device cuda: what moves device tensors between ranks")
+p.add_argument("--transport", choices=("staged", "ipc", "nccl"),
+               help="with --device cuda: what moves device tensors between ranks (default staged)")
 args = p.parse_args()
+if args.transport and args.device != "cuda":
+    p.error(f"--transport {args.transport} moves device tensors: pass --device cuda too")
 torch.set_num_threads(1)
 
 comm = MPI.COMM_WORLD
@@ -52,18 +53,21 @@ if args.device == "cuda":
     from halo.transport.streams import CudaDevice
     from launch.device import bind_gpu, ranks_per_gpu
     from launch.env import detect
+    from sparsepipe_hpc.train.transport import check_mpi_threads
 
     gpu = bind_gpu(detect())  # this local rank's GPU, made current
-    if gpu is None:
-        sys.exit("--device cuda: no CUDA device here")
+    if gpu is None:  # an exception, so abort_on_exception ends every rank
+        raise RuntimeError("--device cuda: this rank sees no CUDA device")
     device = torch.device("cuda", gpu)
-    # A TransportError naming the remedy, on every rank, for nccl where ranks share a GPU.
-    choose_transport(args.transport, "cuda", nccl=nccl_available(),
-                     shared_gpu=ranks_per_gpu(comm, gpu) > 1)
+    # Errors naming the remedy, on every rank: nccl where ranks share a GPU; an MPI that
+    # autograd's CUDA thread may not call (it runs the backward's halo and BatchNorm traffic).
+    name = choose_transport(args.transport or "staged", "cuda", nccl=nccl_available(),
+                            shared_gpu=ranks_per_gpu(comm, gpu) > 1)
+    check_mpi_threads(comm)
     streams = CudaDevice(device)  # the compute stream and the communication streams
     ctx = ParallelContext(comm, layout,
-                          transport=lambda c: make_transport(args.transport, c, streams),
-                          reducer=lambda c: make_reducer(args.transport, c, streams))
+                          transport=lambda c: make_transport(name, c, streams),
+                          reducer=lambda c: make_reducer(name, c, streams))
 else:
     device = torch.device("cpu")
     ctx = ParallelContext(comm, layout)

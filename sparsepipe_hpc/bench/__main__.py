@@ -5,14 +5,21 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
+from pathlib import Path
 
 import sparsepipe_hpc.bench as bench
+
+
+def _has_main(name: str) -> bool:
+    """Whether module ``name`` of the package is a benchmark (defines ``main``), read from its
+    source: importing every module would import torch and spconv just to print the usage."""
+    return "\ndef main(" in (Path(bench.__path__[0]) / f"{name}.py").read_text()
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     names = sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(bench.__path__)
-                   if not m.name.startswith("_"))
+                   if not m.name.startswith("_") and _has_main(m.name))
     if argv and argv[0].replace("_", "-") in names:  # gpu-comm and gpu_comm both work
         argv = [argv[0].replace("-", "_"), *argv[1:]]
     if not argv or argv[0].replace("_", "-") not in names:

@@ -39,6 +39,7 @@ def synthetic_room(voxel_size: float = 0.03, size=(6.0, 6.0, 3.0), points: int =
 
 
 def sync(device: torch.device) -> None:
+    """Wait for ``device``'s work so far (nothing to wait for on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -59,9 +59,9 @@ import numpy as np
 import torch
 
 from sparsepipe_hpc.bench.common import environment, time_alternating, write_json
-from sparsepipe_hpc.bench.gpu_tables import (SKIP_CPU_AUTOCAST, autocast, batchnorm_table,
-                                             gathers_table, kernel_maps_table, layer_table,
-                                             spconv_runs, strided_table, triton_skip)
+from sparsepipe_hpc.bench._gpu_tables import (SKIP_CPU_AUTOCAST, autocast, batchnorm_table,
+                                              gathers_table, kernel_maps_table, layer_table,
+                                              spconv_runs, strided_table, triton_skip)
 from sparsepipe_hpc.bench.launches import step_launches
 from sparsepipe_hpc.sparse import SparseTensor
 
