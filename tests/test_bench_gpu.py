@@ -44,7 +44,8 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
     assert r["targets"] == {"time_ratio_max": 1.10, "memory_ratio_max": 1.10}
     assert set(r["steps"]) == {"fp32", "fp16"} and set(r["layer"]) == {"fp32", "fp16"}
     fp32 = r["steps"]["fp32"]
-    nets = ("spconv_unet", "sparseunet", "sparseunet_window", "distributed_1x1x1")
+    nets = ("spconv_unet", "sparseunet", "sparseunet_window", "sparseunet_elements",
+            "distributed_1x1x1")
     for net in nets:
         assert fp32[net]["median_s"] > 0 and fp32[net]["peak_bytes"] is None  # no device memory
     assert fp32["time_ratio_distributed_1x1x1_over_spconv"] > 0

@@ -176,6 +176,24 @@ def test_tiling_maps_take_the_window_path_only_where_asked(gen, monkeypatch):
     assert not window.applies(subm, x.feats)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32])
+def test_row_gather_forms_agree(gen, dtype):
+    """Each form of engine.rows.take is x[idx], bit for bit: repeated, absent and int32 indices,
+    no rows, one column; a form not known is refused."""
+    import sparsepipe_hpc.engine.rows as rows
+
+    x = (torch.randn(50, 7, generator=gen) * 100).to(dtype)
+    for idx in (torch.tensor([3, 3, 0, 49, 12]), torch.tensor([], dtype=torch.int64),
+                torch.tensor([1, 0], dtype=torch.int32)):
+        for xx in (x, x[:, :1].contiguous()):
+            for name in rows.FORMS:
+                with rows.form(name):
+                    assert torch.equal(rows.take(xx, idx), xx[idx]), (name, idx)
+    with pytest.raises(ValueError, match="'rowwise' is not one of"):
+        with rows.form("rowwise"):
+            pass
+
+
 def test_torch_engine_gradient_is_adjoint(gen):
     """<conv(x), r> == <x, conv^T(r)>: the input gradient is the exact adjoint of the forward."""
     x = random_cloud(gen, 300, channels=3)

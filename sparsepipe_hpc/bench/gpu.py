@@ -11,8 +11,10 @@ within each round; the JSON is rewritten after each precision (``complete`` once
 
   steps        per precision (fp32, and fp16/bf16 under torch.autocast): the plain spconv U-Net
                (:mod:`.spconv_unet`), ``SparseUNet`` on one rank (and ``sparseunet_window``: the
-               same with its strided layers as dense GEMMs, :mod:`sparsepipe_hpc.engine.window`,
-               off by default until measured), and the distributed model on a
+               same with its strided layers as dense GEMMs, :mod:`sparsepipe_hpc.engine.window`;
+               ``sparseunet_elements``: with its row gathers by single elements,
+               :mod:`sparsepipe_hpc.engine.rows`; both off by default until measured), and the
+               distributed model on a
                1x1x1 grid (every layer through the spatial path, empty exchanges); step time and
                peak device memory, and each one's ratio to plain spconv (the issue's target:
                <= 1.10 in time and memory). ``--triton`` adds the plain U-Net written with
@@ -92,13 +94,13 @@ def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
                ) -> dict[str, Callable[[], None]]:
     """One forward + backward each, from fresh coordinates (kernel maps included): the plain spconv
     U-Net (left out where spconv cannot run it: CPU autocast), ``SparseUNet`` on one rank (also
-    with its strided layers as dense GEMMs: ``sparseunet_window``), and the
-    distributed model on a 1x1x1 grid; the same seed, so the U-Nets start alike. ``triton``: also
+    with its strided layers as dense GEMMs: ``sparseunet_window``; with its row gathers by
+    elements: ``sparseunet_elements``), and the distributed model on a 1x1x1 grid; the same seed, so the U-Nets start alike. ``triton``: also
     the plain U-Net in spconv-triton's layers, where :func:`triton_skip` allows."""
     from mpi4py import MPI
 
     from sparsepipe_hpc.bench.spconv_unet import SpconvUNet
-    from sparsepipe_hpc.engine import window
+    from sparsepipe_hpc.engine import rows, window
     from sparsepipe_hpc.nn import SparseUNet
     from sparsepipe_hpc.parallel.context import ParallelContext
     from sparsepipe_hpc.parallel.layout import RankLayout
@@ -146,8 +148,12 @@ def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
         with window.on(device.type):
             ours_step()
 
+    def elements_step() -> None:  # row gathers by single elements (engine.rows, off today)
+        with rows.form("elements"):
+            ours_step()
+
     steps.update(sparseunet=ours_step, sparseunet_window=window_step,
-                 distributed_1x1x1=dist_step)
+                 sparseunet_elements=elements_step, distributed_1x1x1=dist_step)
     return steps
 
 
@@ -167,7 +173,8 @@ def _steps(x: SparseTensor, args: Any, device: torch.device,
         except Exception as e:
             out["launches"][name] = {"error": f"{type(e).__name__}: {e}"}
     base = out["spconv_unet"]
-    for name in ("sparseunet", "sparseunet_window", "distributed_1x1x1", "spconv_triton_unet"):
+    for name in ("sparseunet", "sparseunet_window", "sparseunet_elements", "distributed_1x1x1",
+                 "spconv_triton_unet"):
         if name not in steps:
             continue
         if "median_s" in base:
@@ -228,7 +235,7 @@ def main(argv: list[str]) -> None:
     for name in names:
         steps = result["steps"][name] = _steps(x, args, device, PRECISIONS[name])
         for net in ("spconv_unet", "spconv_triton_unet", "sparseunet", "sparseunet_window",
-                    "distributed_1x1x1"):
+                    "sparseunet_elements", "distributed_1x1x1"):
             if net not in steps:
                 continue
             t = steps[net]

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from sparsepipe_hpc.engine import window
+from sparsepipe_hpc.engine import rows, window
 from sparsepipe_hpc.engine.base import Engine, Progress
 
 __all__ = ["SpconvEngine", "SpconvDtypeError", "patch_spconv", "single_thread", "spconv_call",
@@ -249,7 +249,7 @@ def split_backward(ops: Any, feats: torch.Tensor, weight: torch.Tensor, grad_out
             for k, n in enumerate(part.tolist()):  # host counts: no device sync
                 if n:
                     i, o = pairs[0, k, :n], pairs[1, k, :n]
-                    torch.mm(grad_out[o].t(), feats[i], out=g_w[:, k])
+                    torch.mm(rows.take(grad_out, o).t(), rows.take(feats, i), out=g_w[:, k])
             if progress is not None:
                 progress()
     return g_in, g_w

@@ -28,6 +28,7 @@ from typing import Iterator, Optional
 import torch
 
 from halo.kmap import KernelMap
+from sparsepipe_hpc.engine import rows
 
 __all__ = ["DEVICES", "applies", "on", "forward", "backward"]
 
@@ -73,16 +74,16 @@ def _sides(kmap: KernelMap) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     return kmap.out_rows, kmap.in_rows, kmap.n_out, kmap.n_in
 
 
-def _patches(rows: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
-    """[N_coarse, K * C]: the fine side's ``rows [N_fine, C]`` in their slots, zeros elsewhere."""
+def _patches(x: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
+    """[N_coarse, K * C]: the fine side's rows ``x [N_fine, C]`` in their slots, zeros elsewhere."""
     fine, _, n_fine, n_coarse = _sides(kmap)
     per_row, per_pair = _slots(kmap)
-    k, c = kmap.num_offsets, rows.shape[1]
-    buf = rows.new_zeros(n_coarse * k, c)
+    k, c = kmap.num_offsets, x.shape[1]
+    buf = x.new_zeros(n_coarse * k, c)
     if kmap.num_pairs == n_fine:  # every row has a slot of its own: a copy without a gather
-        buf.index_copy_(0, per_row, rows)
+        buf.index_copy_(0, per_row, x)
     else:
-        buf.index_copy_(0, per_pair, rows[fine])
+        buf.index_copy_(0, per_pair, rows.take(x, fine))
     return buf.view(n_coarse, k * c)
 
 
@@ -96,7 +97,7 @@ def _from_slots(a: torch.Tensor, b: torch.Tensor, kmap: KernelMap) -> torch.Tens
     flat = a.new_empty(n_coarse * k + spare, c)
     torch.mm(a, b, out=flat[:n_coarse * k].view(n_coarse, k * c))
     flat[n_coarse * k:] = 0
-    return flat[_slots(kmap)[0]]
+    return rows.take(flat, _slots(kmap)[0])
 
 
 def forward(feats: torch.Tensor, weight: torch.Tensor, kmap: KernelMap) -> torch.Tensor:
