@@ -200,6 +200,42 @@ def test_ipc_reduces_through_the_host_across_nodes(monkeypatch):
     assert isinstance(select.make_reducer("ipc", MPI.COMM_SELF, SimDevice()), StagedReducer)
 
 
+def test_ipc_transport_is_refused_across_nodes(monkeypatch):
+    """A group spanning nodes cannot exchange halos by CUDA IPC: a TransportError naming the
+    remedy, before any buffer is registered."""
+    from mpi4py import MPI
+
+    from halo.transport import select
+
+    monkeypatch.setattr(select, "one_node", lambda comm: False)
+    with pytest.raises(TransportError, match="the ipc transport connects the ranks of one node, "
+                                             "but this group of 1 ranks spans nodes; pass "
+                                             "--transport staged"):
+        select.make_transport("ipc", MPI.COMM_SELF, SimDevice())
+
+
+def test_trainer_stage_payloads_go_by_ipc_on_one_node_else_host_staged(monkeypatch):
+    """--transport ipc: the pipeline's stage payloads through CUDA IPC where the job is on one
+    node, host-staged where it spans nodes; every other device transport stages them."""
+    from mpi4py import MPI
+
+    from halo.transport import select, streams
+    from halo.transport.ipc import IPCTransport
+    from halo.transport.staged import StagedTransport
+    from sparsepipe_hpc.train import transport
+
+    monkeypatch.setattr(streams, "CudaDevice", lambda device: SimDevice())
+    cuda = torch.device("cuda", 0)
+    made = transport.device_comm("ipc", cuda).stages(MPI.COMM_SELF)
+    assert isinstance(made, IPCTransport)
+    made.close()
+    assert isinstance(transport.device_comm("staged", cuda).stages(MPI.COMM_SELF),
+                      StagedTransport)
+    monkeypatch.setattr(transport, "one_node", lambda comm: False)
+    monkeypatch.setattr(select, "one_node", lambda comm: False)
+    assert isinstance(transport.device_comm("ipc", cuda).stages(MPI.COMM_SELF), StagedTransport)
+
+
 def test_importing_the_packages_does_not_import_cupy():
     code = ("import sys, sparsepipe_hpc, halo, halo.transport, halo.transport.streams, "
             "halo.transport.staged, halo.transport.collectives, sparsepipe_hpc.train.loop, "

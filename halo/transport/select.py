@@ -64,7 +64,7 @@ def make_transport(name: str, comm: Any, device: Optional[Device] = None) -> Tra
     resolved it) over the mpi4py communicator ``comm``; the device transports order their work
     on ``device``'s streams (:class:`~halo.transport.streams.CudaDevice`, or the CPU stand-in
     in tests). Collective over ``comm`` for "nccl" (its unique id is broadcast) and "ipc" (it
-    duplicates ``comm``)."""
+    checks that ``comm`` is on one node, the same verdict on every rank, and duplicates it)."""
     if name == "mpi":
         from halo.transport.mpi import MPITransport
 
@@ -84,6 +84,11 @@ def make_transport(name: str, comm: Any, device: Optional[Device] = None) -> Tra
     if name == "ipc":
         from halo.transport.ipc import IPCTransport
 
+        if not one_node(comm):  # CUDA IPC handles open only on the node that made them
+            raise TransportError(f"the ipc transport connects the ranks of one node, but this "
+                                 f"group of {comm.Get_size()} ranks spans nodes; pass "
+                                 f"--transport staged (any MPI) or nccl, or place the group's "
+                                 f"ranks on one node")
         return IPCTransport(comm, device)
     from halo.transport.nccl import NCCLTransport
 

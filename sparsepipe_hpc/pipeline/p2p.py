@@ -123,7 +123,8 @@ class StageLink:
     on ``device`` (default: the CPU); ``headers`` (default: ``transport``) moves the fixed-size
     headers, which the host reads: a host transport over the same ranks when the payloads are
     device tensors. The transport must match by (peer, tag) in posting order and never block a
-    sender on its receiver (MPI's semantics; host-staged MPI keeps them on a GPU)."""
+    sender's start on its receiver (MPI's semantics; host-staged MPI and CUDA IPC keep them on
+    a GPU)."""
 
     def __init__(self, transport: Transport, headers: Optional[Transport] = None,
                  device: Optional[torch.device] = None):

@@ -134,7 +134,7 @@ class Trainer:
         self.pipe: Optional[Pipeline] = None
         self.eval_pipe: Optional[Pipeline] = None
         if cfg.stages > 1 or cfg.micro_batches > 1:
-            stages = self.device_comm.stages  # device payloads: host-staged on a stream
+            stages = self.device_comm.stages  # device payloads: CUDA IPC or host-staged
             amp = self.precision.autocast  # --precision bf16/fp16: every stage's forward
             self.pipe = agree(comm, lambda: Pipeline(self.model, self.ctx, cfg.balance,
                                                      cfg.pipeline_schedule, cfg.micro_batches,

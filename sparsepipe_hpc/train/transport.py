@@ -12,25 +12,29 @@ communication stream, the path whose ordering the CPU suite tests on a stand-in 
 and ``ipc`` must be asked for by name. Reductions (gradient buckets, BatchNorm statistics,
 pooling) of device tensors go through the matching reducer, ordered on the same device's streams:
 NCCL's for ``nccl``, CUDA IPC's for ``ipc``, host-staged MPI for ``staged``. Pipeline stage
-transfers of device tensors always go host-staged: their receives are posted late and from both
-directions at once, which MPI's matching serves, while NCCL (calls matched in order on one
-stream) and this IPC transport (a send goes out only once its receiver has started) could block
-each other.
+transfers of device tensors go through CUDA IPC for ``ipc`` when the job is on one node (its
+sends wait for their receivers without blocking anyone: any later IPC call, or the wait for a
+header, carries them out), else host-staged: their receives are posted late and from both
+directions at once, which MPI's matching serves, while NCCL's calls match in order on one
+stream. ``ipc`` with a spatial grid spread over nodes is a ConfigError.
 """
 
 from __future__ import annotations
 
 import math
+import socket
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 from halo.transport.base import Reducer, Transport, TransportError
 from halo.transport.nccl import nccl_available
-from halo.transport.select import choose_transport, make_reducer, make_transport
-from sparsepipe_hpc.train.config import ConfigError
+from halo.transport.select import choose_transport, make_reducer, make_transport, one_node
+from sparsepipe_hpc.parallel.layout import RankLayout
+from sparsepipe_hpc.train.config import ConfigError, resolve_layout
 
-__all__ = ["trainer_transport", "device_comm", "DeviceComm", "check_mpi_threads"]
+__all__ = ["trainer_transport", "device_comm", "DeviceComm", "check_mpi_threads",
+           "check_one_node_grids"]
 
 
 def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
@@ -43,6 +47,7 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
     gpu = None if device.type != "cuda" else (
         torch.cuda.current_device() if device.index is None else device.index)
     shared = ranks_per_gpu(comm, gpu) > 1
+    hosts = comm.allgather(socket.gethostname()) if cfg.transport == "ipc" else []
 
     def pick() -> str:
         try:
@@ -58,6 +63,8 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
                     "or auto")
             if cfg.transport == "auto":
                 return "staged"
+            if hosts:
+                check_one_node_grids(resolve_layout(cfg, comm.Get_size()), hosts)
             return choose_transport(cfg.transport, "cuda", nccl=nccl_available(),
                                     shared_gpu=shared)
         except TransportError as e:
@@ -67,6 +74,22 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
         return str(agree(comm, pick))
     except SetupError as e:  # the same ConfigError on every rank, whichever rank found it
         raise ConfigError(str(e)) from None
+
+
+def check_one_node_grids(layout: RankLayout, hosts: list[str]) -> None:
+    """Raise ConfigError when a spatial grid of ``layout`` has ranks on several of ``hosts``
+    (the host of each rank): its halos cannot travel by CUDA IPC (``--transport ipc``)."""
+    groups: dict[tuple[int, int], set[str]] = {}
+    for rank, host in enumerate(hosts):
+        p = layout.position(rank)
+        groups.setdefault((p.replica, p.stage), set()).add(host)
+    spans = {k: sorted(v) for k, v in groups.items() if len(v) > 1}
+    if spans:
+        (replica, stage), where = next(iter(spans.items()))
+        raise ConfigError(f"--transport ipc moves halos within a node, but {len(spans)} spatial "
+                          f"grid(s) of {layout} span nodes (replica {replica}, stage {stage}: "
+                          f"{', '.join(where)}); pass --transport staged or nccl, or a --grid "
+                          f"whose ranks share a node")
 
 
 def check_mpi_threads(comm: Any) -> None:
@@ -103,12 +126,16 @@ class DeviceComm(NamedTuple):
 def device_comm(name: str, device: torch.device) -> DeviceComm:
     """The :class:`DeviceComm` of the resolved transport ``name``: all None for "mpi", else
     device ones on the streams of one :class:`~halo.transport.streams.CudaDevice` for
-    ``device``, shared by every group (stage payloads host-staged whatever ``name`` is)."""
+    ``device``, shared by every group (stage payloads through CUDA IPC for "ipc" on one node,
+    else host-staged)."""
     if name == "mpi":
         return DeviceComm()
     from halo.transport.streams import CudaDevice
 
     streams = CudaDevice(device)
+    def stages(comm: Any) -> Transport:  # collective over the job (one_node)
+        ipc = name == "ipc" and one_node(comm)
+        return make_transport("ipc" if ipc else "staged", comm, streams)
+
     return DeviceComm(halo=lambda comm: make_transport(name, comm, streams),
-                      reducer=lambda comm: make_reducer(name, comm, streams),
-                      stages=lambda comm: make_transport("staged", comm, streams))
+                      reducer=lambda comm: make_reducer(name, comm, streams), stages=stages)

@@ -161,6 +161,8 @@ def _pipelined(comm, model, batch, name, stages, grid, kind, m, backward=True, d
                       backward=backward)
     assert len(shares) == (m if pipe.is_last else 0)
     loss = comm.allreduce(float(sum(shares)) if shares else 0.0)
+    pipe.close()  # collective: the stage link's transport and communicator,
+    ctx.close()   # then the context's (IPC buffers and shared-memory files among them)
     return pos, pipe.plan, loss
 
 
@@ -205,28 +207,51 @@ def test_pipeline_equals_micro_batched_serial(comm, pipelined, name, kind):
 
 class StandIn:
     """The trainer's device path on the CPU stand-in device: halos and stage payloads through
-    StagedTransport, reductions through StagedReducer (one SimDevice), every one kept."""
+    StagedTransport, reductions through StagedReducer, or all of them through CUDA IPC's
+    transport and reducer with buffers and events in shared memory (``ipc``; one SimDevice),
+    every one kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "staged") -> None:
         from halo.transport.streams import SimDevice
 
-        self.dev, self.transports, self.reducers = SimDevice(), [], []
+        self.name, self.dev, self.transports, self.reducers = name, SimDevice(), [], []
 
     def transport(self, comm):
         from halo.transport.mpi import MPITransport
         from halo.transport.staged import StagedTransport
 
-        self.transports.append(StagedTransport(MPITransport(comm), self.dev))
+        self.transports.append(CountingIPC(comm, self.dev) if self.name == "ipc" else
+                               StagedTransport(MPITransport(comm), self.dev))
         return self.transports[-1]
 
     def reducer(self, comm):
+        from halo.transport.ipc_reduce import IPCReducer
         from halo.transport.staged_reduce import StagedReducer
 
-        self.reducers.append(StagedReducer(comm, self.dev))
+        self.reducers.append(IPCReducer(comm, self.dev) if self.name == "ipc" else
+                             StagedReducer(comm, self.dev))
         return self.reducers[-1]
+
+    def used(self, transport) -> bool:
+        """Whether ``transport`` moved anything on this rank."""
+        return transport.started > 0 if self.name == "ipc" else transport.pool.allocated > 0
 
     def device_comm(self) -> DeviceComm:
         return DeviceComm(halo=self.transport, reducer=self.reducer, stages=self.transport)
+
+
+def CountingIPC(comm, device):
+    """An IPCTransport that counts the transfers started through it (``started``)."""
+    from halo.transport.ipc import IPCTransport
+
+    class Counting(IPCTransport):
+        started = 0
+
+        def start(self, sends, recvs, tag):
+            self.started += bool(sends or recvs)
+            return super().start(sends, recvs, tag)
+
+    return Counting(comm, device)
 
 
 def random_layouts(size: int) -> list[tuple[int, tuple[int, int, int], int]]:
@@ -271,11 +296,14 @@ def test_random_pipelines_equal_micro_batched_serial(comm, pipelined, case):
     compare(model, ref, plan.stages[pos.stage], pos)
 
 
+@pytest.mark.parametrize("transport", ["staged", "ipc"])
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
-def test_pipeline_on_the_device_path_equals_micro_batched_serial(comm, pipelined, kind):
+def test_pipeline_on_the_device_path_equals_micro_batched_serial(comm, pipelined, kind,
+                                                                  transport):
     """Stage payloads (headers through host MPI), halos and every reduction through the device
-    path the trainer takes on a GPU (host-staged copies ordered by stream events, here on the
-    stand-in device): the micro-batched serial run's loss, gradients and running statistics."""
+    paths the trainer takes on a GPU (host-staged copies, or CUDA IPC, ordered by stream events,
+    here on the stand-in device): the micro-batched serial run's loss, gradients and running
+    statistics."""
     if not layouts(comm):
         pytest.skip(f"no pipeline layout for {comm.size} ranks")
     batch = make_batch(11)
@@ -287,13 +315,13 @@ def test_pipeline_on_the_device_path_equals_micro_batched_serial(comm, pipelined
         groups = [sum((micro_samples(replicas, m)[r][i] for r in range(replicas)), [])
                   for i in range(m)]
         ref_loss = oracle(ref, batch, "unet", groups)
-        stand_in = StandIn()
+        stand_in = StandIn(transport)
         pos, plan, loss = pipelined(comm, model, batch, "unet", stages, grid, kind, m, True,
                                     None, stand_in.device_comm())
         assert loss == pytest.approx(ref_loss, rel=1e-10), (stages, grid)
         compare(model, ref, plan.stages[pos.stage], pos)
         if stages > 1:  # the stage link's transport is the last one made
-            assert stand_in.transports[-1].pool.allocated > 0, "no stage payload was staged"
+            assert stand_in.used(stand_in.transports[-1]), "no stage payload went through it"
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])

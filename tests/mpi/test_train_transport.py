@@ -72,6 +72,28 @@ def test_cuda_checks_that_need_no_gpu_are_config_errors_on_every_rank(comm, shar
             trainer_transport(parse_config(argv(shared)), cuda, comm)
 
 
+def test_ipc_is_refused_where_a_grid_spans_nodes(comm, shared, monkeypatch):
+    """CUDA IPC connects the ranks of one node: --transport ipc with a spatial grid spread over
+    nodes is a ConfigError on every rank, naming the grid and the hosts; replicas (or stages)
+    on other nodes are fine (reductions and stage payloads then go host-staged)."""
+    import launch.device
+    from sparsepipe_hpc.train import transport
+
+    monkeypatch.setattr(launch.device, "gpu_uuid", lambda index: "GPU-0")  # one GPU, shared
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(transport.socket, "gethostname", lambda: f"node{comm.rank}")
+    cfg = parse_config(argv(shared, "--transport", "ipc"))  # replicas only: one rank per grid
+    assert transport.trainer_transport(cfg, cuda, comm) == "ipc"
+    if comm.size > 1:
+        cfg = parse_config(argv(shared, "--transport", "ipc", "--grid", f"{comm.size},1,1"))
+        with pytest.raises(ConfigError, match=r"--transport ipc moves halos within a node, but 1 "
+                                              r"spatial grid\(s\) .* span nodes \(replica 0, "
+                                              r"stage 0: node0, node1"):
+            transport.trainer_transport(cfg, cuda, comm)
+        monkeypatch.setattr(transport.socket, "gethostname", lambda: "node0")
+        assert transport.trainer_transport(cfg, cuda, comm) == "ipc"
+
+
 def test_nccl_is_refused_only_where_ranks_share_a_gpu(comm, shared, monkeypatch):
     """NCCL refuses two ranks on one GPU. Ranks name their GPU by its UUID, so ranks that each
     see only their own GPU, as device 0 (srun --gpus-per-task=1), may use NCCL."""
