@@ -160,18 +160,19 @@ def test_the_trainer_hands_its_transport_and_reducer_to_the_parallel_context(com
     assert staged["eval"]["miou"] == pytest.approx(plain["eval"]["miou"], rel=1e-6)
 
 
-def test_the_trainer_hands_its_stage_transport_to_the_pipeline(comm, shared, monkeypatch):
+@pytest.mark.parametrize("name", ["staged", "ipc"])
+def test_the_trainer_hands_its_stage_transport_to_the_pipeline(comm, shared, monkeypatch, name):
     """--stages on the device path: stage payloads through what ``device_comm`` makes for
-    stages (host-staged, here on the stand-in device), headers through host MPI, reductions
-    through the reducer: the same losses as the pipeline on mpi4py."""
+    stages (host-staged, or CUDA IPC for ipc on one node; here on the stand-in device),
+    headers through host MPI, reductions through the reducer: the same losses as the pipeline
+    on mpi4py; ``close`` frees the pipelines' transports and communicators."""
     if comm.size < 2:
         pytest.skip("a pipeline needs 2+ ranks")
-    from halo.transport.mpi import MPITransport
+    from halo.transport import streams
+    from halo.transport.ipc import IPCTransport
     from halo.transport.staged import StagedTransport
-    from halo.transport.staged_reduce import StagedReducer
     from halo.transport.streams import SimDevice
-    from sparsepipe_hpc.train import loop
-    from sparsepipe_hpc.train.transport import DeviceComm
+    from sparsepipe_hpc.train import loop, transport
 
     layout = ["--stages", "2", "--micro-batches", "2", "--steps", "2",
               "--batch-size", str(2 * (comm.size // 2))]
@@ -179,26 +180,30 @@ def test_the_trainer_hands_its_stage_transport_to_the_pipeline(comm, shared, mon
         pytest.skip("2 stages need an even world")
     plain = Trainer(parse_config(argv(shared, *layout, "--out", str(shared / "pipe-mpi"))), comm,
                     log=None).run()
-    stage_transports: list[StagedTransport] = []
+    made: list = []
+    make_transport = transport.make_transport
 
-    def staged_on_stand_in(name, device):
-        dev = SimDevice()
+    def keep(*a):
+        made.append(make_transport(*a))
+        return made[-1]
 
-        def stages(world_dup):
-            stage_transports.append(StagedTransport(MPITransport(world_dup), dev))
-            return stage_transports[-1]
-        return DeviceComm(reducer=lambda c: StagedReducer(c, dev), stages=stages)
-
-    monkeypatch.setattr(loop, "device_comm", staged_on_stand_in)
-    t = Trainer(parse_config(argv(shared, *layout, "--out", str(shared / "pipe-staged"))), comm,
+    # The trainer's own device_comm for ``name``, its CUDA streams on the stand-in device.
+    monkeypatch.setattr(streams, "CudaDevice", lambda device: SimDevice())
+    monkeypatch.setattr(transport, "make_transport", keep)
+    monkeypatch.setattr(loop, "device_comm", lambda _, device: transport.device_comm(name, device))
+    t = Trainer(parse_config(argv(shared, *layout, "--out", str(shared / f"pipe-{name}"))), comm,
                 log=None)
-    assert len(stage_transports) == 2  # the training and the evaluation pipelines
-    staged = t.run()
-    assert all(tr.pool.allocated > 0 for tr in stage_transports), "a stage skipped the transport"
-    assert staged["train"]["loss"] == pytest.approx(plain["train"]["loss"], rel=1e-6)
-    assert staged["eval"]["miou"] == pytest.approx(plain["eval"]["miou"], rel=1e-6)
+    kind = IPCTransport if name == "ipc" else StagedTransport
+    assert len(made) == 2 and all(isinstance(tr, kind) for tr in made)  # train and eval pipes
+    got = t.run()
+    used = [bool(tr._targets or tr._buffers) if name == "ipc" else tr.pool.allocated > 0
+            for tr in made]
+    assert used[0] and used[1], "a pipeline's stage payloads skipped the transport"
+    assert got["train"]["loss"] == pytest.approx(plain["train"]["loss"], rel=1e-6)
+    assert got["eval"]["miou"] == pytest.approx(plain["eval"]["miou"], rel=1e-6)
     t.close()  # the stage messages' communicators too
     assert all(pipe._comm == MPI.COMM_NULL for pipe in (t.pipe, t.eval_pipe))
+    assert name != "ipc" or all(tr.closed for tr in made)
 
 
 @pytest.mark.parametrize("layout", ["grid", "replicas"])
