@@ -246,6 +246,9 @@ class StageExecutor:
                     with torch.set_grad_enabled(backward), self.autocast():
                         for block in self.blocks:
                             carry = block(carry)
+                            # Hand on the sends held back so far whose receivers are ready now
+                            # (IPC: their "ready"; staged: their copy), not a block later.
+                            link.transport.progress()
                         if len(carry) != len(plan.outputs):
                             raise PipelineError(f"stage {self.stage}'s blocks left {len(carry)} "
                                                 f"carry entries but their carry_arity says "

@@ -37,6 +37,7 @@ are rebuilt lazily by the layers themselves. All received entries of one micro-b
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -194,8 +195,10 @@ class StageLink:
         ``kmaps`` (a new dict if None), with the strided maps the header names rebuilt."""
         # The peer may send this header only after receiving a payload of ours still held back
         # (a staged send whose copy was running): hand those on while waiting.
+        polls = 0
         while self.transport.progress() and not pending.request.test():
-            pass
+            polls += 1
+            time.sleep(0 if polls < 100 else 1e-4)  # yield to ranks sharing this core
         pending.request.wait()
         length = int(pending.header[:8].view(torch.int64)[0])
         meta = json.loads(bytes(pending.header[8:8 + length].tolist()).decode())

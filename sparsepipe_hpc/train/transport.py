@@ -13,8 +13,8 @@ and ``ipc`` must be asked for by name. Reductions (gradient buckets, BatchNorm s
 pooling) of device tensors go through the matching reducer, ordered on the same device's streams:
 NCCL's for ``nccl``, CUDA IPC's for ``ipc``, host-staged MPI for ``staged``. Pipeline stage
 transfers of device tensors go through CUDA IPC for ``ipc`` when the job is on one node (its
-sends wait for their receivers without blocking anyone: any later IPC call, or the wait for a
-header, carries them out), else host-staged: their receives are posted late and from both
+sends wait for their receivers without blocking anyone: any later IPC call, the wait for a
+header, or the executor between two blocks carries them out), else host-staged: their receives are posted late and from both
 directions at once, which MPI's matching serves, while NCCL's calls match in order on one
 stream. ``ipc`` with a spatial grid spread over nodes is a ConfigError.
 """
@@ -22,7 +22,6 @@ stream. ``ipc`` with a spatial grid spread over nodes is a ConfigError.
 from __future__ import annotations
 
 import math
-import socket
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -34,7 +33,7 @@ from sparsepipe_hpc.parallel.layout import RankLayout
 from sparsepipe_hpc.train.config import ConfigError, resolve_layout
 
 __all__ = ["trainer_transport", "device_comm", "DeviceComm", "check_mpi_threads",
-           "check_one_node_grids"]
+           "check_one_node_grids", "node_names"]
 
 
 def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
@@ -47,7 +46,7 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
     gpu = None if device.type != "cuda" else (
         torch.cuda.current_device() if device.index is None else device.index)
     shared = ranks_per_gpu(comm, gpu) > 1
-    hosts = comm.allgather(socket.gethostname()) if cfg.transport == "ipc" else []
+    nodes = node_names(comm) if cfg.transport == "ipc" else []
 
     def pick() -> str:
         try:
@@ -63,8 +62,8 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
                     "or auto")
             if cfg.transport == "auto":
                 return "staged"
-            if hosts:
-                check_one_node_grids(resolve_layout(cfg, comm.Get_size()), hosts)
+            if nodes:
+                check_one_node_grids(resolve_layout(cfg, comm.Get_size()), nodes)
             return choose_transport(cfg.transport, "cuda", nccl=nccl_available(),
                                     shared_gpu=shared)
         except TransportError as e:
@@ -76,9 +75,22 @@ def trainer_transport(cfg: Any, device: torch.device, comm: Any) -> str:
         raise ConfigError(str(e)) from None
 
 
+def node_names(comm: Any) -> list[str]:
+    """Each rank's node, as MPI sees shared memory (the test :func:`halo.transport.select.
+    one_node` makes): the processor name of the node's lowest rank. **Collective.**"""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        first = local.bcast((comm.Get_rank(), MPI.Get_processor_name()), root=0)
+    finally:
+        local.Free()
+    return [f"{name} (rank {rank})" for rank, name in comm.allgather(first)]
+
+
 def check_one_node_grids(layout: RankLayout, hosts: list[str]) -> None:
     """Raise ConfigError when a spatial grid of ``layout`` has ranks on several of ``hosts``
-    (the host of each rank): its halos cannot travel by CUDA IPC (``--transport ipc``)."""
+    (the node of each rank): its halos cannot travel by CUDA IPC (``--transport ipc``)."""
     groups: dict[tuple[int, int], set[str]] = {}
     for rank, host in enumerate(hosts):
         p = layout.position(rank)

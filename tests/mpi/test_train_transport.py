@@ -81,7 +81,9 @@ def test_ipc_is_refused_where_a_grid_spans_nodes(comm, shared, monkeypatch):
 
     monkeypatch.setattr(launch.device, "gpu_uuid", lambda index: "GPU-0")  # one GPU, shared
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(transport.socket, "gethostname", lambda: f"node{comm.rank}")
+    here = transport.node_names(comm)  # every rank on this machine's one node
+    assert len(set(here)) == 1 and len(here) == comm.size
+    monkeypatch.setattr(transport, "node_names", lambda c: [f"node{r}" for r in range(c.size)])
     cfg = parse_config(argv(shared, "--transport", "ipc"))  # replicas only: one rank per grid
     assert transport.trainer_transport(cfg, cuda, comm) == "ipc"
     if comm.size > 1:
@@ -90,7 +92,7 @@ def test_ipc_is_refused_where_a_grid_spans_nodes(comm, shared, monkeypatch):
                                               r"spatial grid\(s\) .* span nodes \(replica 0, "
                                               r"stage 0: node0, node1"):
             transport.trainer_transport(cfg, cuda, comm)
-        monkeypatch.setattr(transport.socket, "gethostname", lambda: "node0")
+        monkeypatch.setattr(transport, "node_names", lambda c: here)
         assert transport.trainer_transport(cfg, cuda, comm) == "ipc"
 
 
