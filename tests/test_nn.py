@@ -129,20 +129,27 @@ def test_models_forward_backward_shapes(gen, engine):
     assert all(p.grad is not None for p in net.parameters())
 
 
-def test_unet_with_tiling_maps_as_dense_gemms_equals_the_default(gen, monkeypatch):
-    """A U-Net step with its strided layers and their inverses through engine.window (off by
-    default) gives the default path's outputs and gradients, in float64."""
-    import sparsepipe_hpc.engine.window as window
-
+def unet_step(gen, engine: str):
+    """A float64 depth-3 U-Net's step on a drawn cloud, from fresh maps each call: returns its
+    outputs and parameter gradients."""
     x = random_cloud(gen, 1500, shape=(32, 32, 32), batch=2, channels=3)
     torch.manual_seed(0)
-    unet = SparseUNet(3, 7, width=8, depth=3, engine="spconv").double()
+    unet = SparseUNet(3, 7, width=8, depth=3, engine=engine).double()
 
     def step():
         unet.zero_grad()
         y = unet(x.replace(kmaps={}))
         (y.feats ** 2).sum().backward()
         return [y.feats.detach(), *[p.grad.clone() for p in unet.parameters()]]
+    return step
+
+
+def test_unet_with_tiling_maps_as_dense_gemms_equals_the_default(gen, monkeypatch):
+    """A U-Net step with its strided layers and their inverses through engine.window (off by
+    default) gives the default path's outputs and gradients, in float64."""
+    import sparsepipe_hpc.engine.window as window
+
+    step = unet_step(gen, "spconv")
     ref = step()
     monkeypatch.setattr(window, "DEVICES", ("cpu",))
     calls, forward = [], window.forward
@@ -167,15 +174,7 @@ def test_unet_with_row_gathers_by_elements_equals_the_default(gen, monkeypatch, 
         monkeypatch.setattr(se, "SPLIT_BACKWARD", ("cpu", "cuda"))
     if path == "window":
         monkeypatch.setattr(window, "DEVICES", ("cpu",))
-    x = random_cloud(gen, 1500, shape=(32, 32, 32), batch=2, channels=3)
-    torch.manual_seed(0)
-    unet = SparseUNet(3, 7, width=8, depth=3, engine=engine).double()
-
-    def step():
-        unet.zero_grad()
-        y = unet(x.replace(kmaps={}))
-        (y.feats ** 2).sum().backward()
-        return [y.feats.detach(), *[p.grad.clone() for p in unet.parameters()]]
+    step = unet_step(gen, engine)
     ref = step()
     calls, take = [], rows.take
     monkeypatch.setattr(rows, "take", lambda *a: calls.append(rows.FORM) or take(*a))
