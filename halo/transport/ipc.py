@@ -7,7 +7,7 @@
 
 Protocol, per exchange and peer, with small host MPI control messages:
 
-    receiver: takes a registered buffer from its pool per (peer, tag) (its own allocation, so its
+    receiver: takes a registered buffer from its pool per peer (its own allocation, so its
               IPC handle covers exactly it; power-of-two sizes) and sends the sender its handle
               ("ready": the buffer may be written)
     sender:   once "ready" has arrived, opens the handle (once per buffer), enqueues the copy of
@@ -29,7 +29,7 @@ has not arrived is carried out by the next call into any IPC transport of the pr
 waits for them in an order its peers can follow. A rank blocked in MPI outside these transports
 (a host collective, a staged transfer) hands nothing on: wait for its IPC exchanges before
 calls its peers reach only after theirs, or call ``progress`` while blocked. Once
-``MAX_PENDING`` buffers of a (peer, tag) that would fit a receive wait for their copy out (a host
+``MAX_PENDING`` buffers of a peer that would fit a receive wait for their copy out (a host
 running ahead of its device), the host waits for one of those copies (device work only) rather
 than register yet another buffer.
 
@@ -53,7 +53,7 @@ from halo.transport.streams import Device, Event
 
 __all__ = ["IPCTransport", "MAX_PENDING", "progress_all"]
 
-MAX_PENDING = 4  # registered buffers per (peer, tag) whose copy out may still be queued
+MAX_PENDING = 4  # registered buffers per peer whose copy out may still be queued
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -184,18 +184,20 @@ class IPCTransport(Transport):
                       if device.type == "cuda" else SimIPCMemory())
         self.memory: IPCMemory = memory
         self.stream = device.new_stream("ipc")
-        self._buffers: dict[tuple[int, int], list[_Registered]] = {}  # (peer, tag) -> pool
+        # peer -> pool, whatever the tag: a pipeline's micro-batches (a tag each) reuse the
+        # buffers of the ones whose copy out has run instead of holding one each.
+        self._buffers: dict[int, list[_Registered]] = {}
         self._targets: dict[bytes, _Target] = {}  # buffer handle -> where our copies go
         self._unsent: list[_Send] = []  # started, "ready" not arrived yet
         self.closed = False
         _live.add(self)
 
-    def _acquire(self, peer: int, tag: int, nbytes: int) -> _Registered:
-        """The smallest free registered buffer for (peer, tag) that holds ``nbytes``; else, with
+    def _acquire(self, peer: int, nbytes: int) -> _Registered:
+        """The smallest free registered buffer for ``peer`` that holds ``nbytes``; else, with
         MAX_PENDING of them waiting for their copy out, the smallest once its copy out has run
         (device work only: it never needs a host); else a new one of the next power of two (at
         least 256 bytes)."""
-        pool = self._buffers.setdefault((peer, tag), [])
+        pool = self._buffers.setdefault(peer, [])
         fits = [b for b in pool if b.capacity >= nbytes and not b.busy]
         free = [b for b in fits if b.free()]
         if not free and len(fits) >= MAX_PENDING:
@@ -293,7 +295,7 @@ class IPCTransport(Transport):
                                      f"on {t.device} (pass .contiguous() on this device)")
         mine, done_from, ready_sent = [], [], []
         for peer, t in recvs:
-            buf = self._acquire(peer, tag, t.nbytes)
+            buf = self._acquire(peer, t.nbytes)
             ready_sent.append(self.comm.isend((buf.handle, buf.capacity), dest=peer, tag=tag))
             done_from.append(self.done_comm.irecv(source=peer, tag=tag))
             mine.append((t, buf))

@@ -165,7 +165,7 @@ def test_a_rank_blocked_in_mpi_does_not_hold_up_what_it_sent(comm, make):
 
 def test_a_host_runs_at_most_max_pending_buffers_ahead_of_its_device(comm, make):
     """A receiver whose copies out have not run (a slow device, the host running ahead) offers
-    new buffers for up to MAX_PENDING of them per (peer, tag), then waits for the oldest copy
+    new buffers for up to MAX_PENDING of them per peer, then waits for the oldest copy
     out instead of registering more."""
     if comm.size < 2:
         pytest.skip("needs a peer")
@@ -181,6 +181,28 @@ def test_a_host_runs_at_most_max_pending_buffers_ahead_of_its_device(comm, make)
         assert tr.registered == MAX_PENDING
         tr.device.compute.record().synchronize()
         assert all(g.eq(float(v)).all() for v, g in enumerate(got))
+    else:
+        make()
+
+
+def test_buffers_serve_every_tag_of_a_peer(comm, make):
+    """A pipeline's micro-batches each have a tag: once a copy out has run, the next tag's
+    receive reuses its buffer instead of registering one per tag (kept until close)."""
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    tags = range(100, 106)
+    if comm.rank == 0:
+        tr = make()
+        for tag in tags:
+            tr.start([(1, torch.full((8,), float(tag)))], [], tag=tag).wait()
+    elif comm.rank == 1:
+        tr = make()
+        for tag in tags:
+            got = torch.zeros(8)
+            tr.start([], [(0, got)], tag=tag).wait()
+            tr.device.compute.record().synchronize()
+            assert got.eq(float(tag)).all()
+        assert tr.registered == 1
     else:
         make()
 
