@@ -92,7 +92,6 @@ class Pipeline:
         self.device = next(iter(model.parameters()), torch.empty(0)).device
         link = StageLink(transport(comm) if transport is not None else headers, headers,
                          self.device)
-        self._link = link
         self.executor = StageExecutor(self.blocks, self.plan, self.schedule, self.stage, link,
                                       lambda s: layout.rank_of(pos.replica, s, pos.spatial),
                                       autocast)
@@ -102,7 +101,7 @@ class Pipeline:
         over the job, after the last :meth:`run`; closing again does nothing)."""
         from mpi4py import MPI
 
-        self._link.transport.close()
+        self.executor.link.transport.close()
         if self._comm != MPI.COMM_NULL:
             self._comm.Free()
 

@@ -14,9 +14,10 @@ pooling) of device tensors go through the matching reducer, ordered on the same 
 NCCL's for ``nccl``, CUDA IPC's for ``ipc``, host-staged MPI for ``staged``. Pipeline stage
 transfers of device tensors go through CUDA IPC for ``ipc`` when the job is on one node (its
 sends wait for their receivers without blocking anyone: any later IPC call, the wait for a
-header, or the executor between two blocks carries them out), else host-staged: their receives are posted late and from both
-directions at once, which MPI's matching serves, while NCCL's calls match in order on one
-stream. ``ipc`` with a spatial grid spread over nodes is a ConfigError.
+header, or the executor between two blocks carries them out), else host-staged: their receives
+are posted late and from both directions at once, which MPI's matching serves, while NCCL's
+calls match in order on one stream. ``ipc`` with a spatial grid spread over nodes is a
+ConfigError.
 """
 
 from __future__ import annotations
