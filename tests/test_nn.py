@@ -195,6 +195,29 @@ def test_conv_errors_name_the_problem(gen):
         SparseInverseConv3d(4, 4, 2, indice_key="nowhere")(x)
 
 
+def test_maps_do_not_cross_between_serial_and_distributed_tensors(gen):
+    """A kernel map cached by a single-process layer has no split maps, and a distributed one
+    no serial use: a tensor that shares another's ``kmaps`` across that line is refused."""
+    from mpi4py import MPI
+
+    from sparsepipe_hpc.parallel.context import ParallelContext
+    from sparsepipe_hpc.parallel.layout import RankLayout
+
+    x = random_cloud(gen, 60, channels=3, dtype=torch.float32)
+    down = SparseConv3d(3, 4, 2, 2, indice_key="d")
+    with ParallelContext(MPI.COMM_SELF, RankLayout.from_world(1, grid=(1, 1, 1)),
+                         force_spatial=True) as ctx:
+        xl, = ctx.distribute(x, align=2)
+        down(x)  # a serial map under "d"
+        with pytest.raises(ConvError, match="without a spatial context"):
+            down(xl.replace(kmaps=x.kmaps))
+        down(xl)  # a distributed one
+        with pytest.raises(ConvError, match="no spatial context"):
+            down(x.replace(kmaps=xl.kmaps))
+        with pytest.raises(ConvError, match=f"built for {len(xl.coords)} voxels"):
+            down(xl.replace(coords=xl.coords[:10], feats=xl.feats[:10]))
+
+
 def test_sparse_tensor_contract_errors():
     from sparsepipe_hpc.sparse import SparseTensor, SparseTensorError
 

@@ -2,7 +2,10 @@
 
     group = SpatialGroup(spatial_comm, dims=(2, 2, 1))           # once
     domain = group.decompose(batch_x, align=model.total_stride)  # per batch: the cuts
-    # the layers then call domain.conv(layer, x, engine) whenever x.context.spatial is set
+    # a layer on a tensor whose context has a spatial domain then asks it for its maps and
+    # its convolution (sparsepipe_hpc.nn.conv):
+    entry = domain.entry(x, spec, key)                     # collective when a halo plan is built
+    y_feats = domain.conv(x_feats, weight, entry, engine, transposed=False)
 
 A distributed convolution on one rank::
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union, cast
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -41,8 +44,7 @@ from halo.plan import build_plan, halo_radius
 from halo.transport.base import Transport
 from halo.transport.mpi import MPITransport
 from sparsepipe_hpc.engine.base import Engine
-from sparsepipe_hpc.nn.amp import autocast_inputs
-from sparsepipe_hpc.nn.conv import ConvEntry, inverse_entry
+from sparsepipe_hpc.kmaps import ConvEntry, ConvError, ConvSpec, cached_entry
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.tracing import span
 
@@ -174,32 +176,27 @@ class SpatialDomain:
         return (where == mine).all(1)
 
     # --- convolution -----------------------------------------------------------------------------
-    def conv(self, layer: Any, x: SparseTensor, engine: Engine) -> SparseTensor:
-        if layer.transposed:
-            entry = inverse_entry(layer, x)
-            maps = cast(DistMaps, entry.extra)
-            f, w = autocast_inputs(x.feats, layer.weight_matrix())
-            feats = _DistConv.apply(f, w, maps, engine,
-                                    self.group.overlap, True)
-            return layer.output_tensor(x, entry, feats)
-        built = self.entry(layer, x)
-        f, w = autocast_inputs(x.feats, layer.weight_matrix())
-        feats = _DistConv.apply(f, w, built.extra, engine,
-                                self.group.overlap, False)
-        return layer.output_tensor(x, built, feats)
+    def conv(self, feats: torch.Tensor, weight: torch.Tensor, entry: ConvEntry, engine: Engine,
+             transposed: bool) -> torch.Tensor:
+        """The distributed convolution of ``feats`` [N_in, C_in] (this rank's rows of the
+        entry's inputs; its outputs' rows when ``transposed``) by ``weight`` [C_out, K, C_in]
+        over ``entry``'s split maps: [N_out, C_out]. Collective over the group (the halo
+        exchange), in the layer order every rank runs."""
+        maps = entry.extra
+        if not isinstance(maps, DistMaps):
+            raise ConvError("a kernel map built without a spatial context (single-process) is "
+                            "used on a spatially distributed tensor; run the whole network on "
+                            "tensors from one source")
+        return _DistConv.apply(feats, weight, maps, engine, self.group.overlap, transposed)
 
-    def entry(self, layer: Any, x: SparseTensor) -> ConvEntry:
-        """The distributed map of (non-transposed) ``layer`` on ``x``, built once per key (the
-        build is collective over the group when the layer needs a halo plan)."""
-        key = layer.cache_key(x)
-        cached: Optional[ConvEntry] = x.kmaps.get(key)
-        if cached is None:
-            cached = x.kmaps[key] = self._build_entry(layer, x)
-        return cached
+    def entry(self, x: SparseTensor, spec: ConvSpec, key: str) -> ConvEntry:
+        """The distributed map of a (non-transposed) convolution ``spec`` on ``x``, cached in
+        ``x.kmaps[key]`` (the build is collective over the group when the convolution needs a
+        halo plan)."""
+        return cached_entry(x, key, lambda: self._build_entry(x, spec))
 
-    def _build_entry(self, layer: Any, x: SparseTensor) -> Any:
-        s = layer.spec
-        geometry = (s.kernel_size, s.stride, s.padding, s.dilation)
+    def _build_entry(self, x: SparseTensor, s: ConvSpec) -> ConvEntry:
+        geometry = s.geometry
         # Cuts off the output's stride grid make outputs read inputs below their box.
         misalign = 0 if s.subm else self.cuts.misalignment(s.stride, x.stride)
         radius = halo_radius(*geometry, misalign=misalign)

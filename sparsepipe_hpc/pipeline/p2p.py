@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from halo.transport.base import Request, Transport
-from sparsepipe_hpc.nn.conv import ConvEntry, SparseConv3d
+from sparsepipe_hpc.kmaps import ConvEntry, ConvSpec, serial_entry
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.tracing import span
 
@@ -92,11 +92,11 @@ def rebuild_entry(x_in: SparseTensor, key: str, kernel_size: int, stride: int, p
     the spatial group when the geometry needs a halo plan: call it in the same order on every rank
     of the group).
     """
-    probe = SparseConv3d(1, 1, kernel_size, stride, padding, dilation, indice_key=key)
+    spec = ConvSpec(kernel_size, stride, padding, dilation)
     spatial = x_in.context.spatial if x_in.context is not None else None
     if spatial is not None:
-        return spatial.entry(probe, x_in)
-    return probe.entry(x_in)
+        return spatial.entry(x_in, spec, key)
+    return serial_entry(x_in, spec, key)
 
 
 @dataclass
