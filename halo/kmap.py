@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -98,6 +98,8 @@ class KernelMap:
     _transposed: Optional["KernelMap"] = field(default=None, repr=False, compare=False)
     _bounds: Optional[list[int]] = field(default=None, repr=False, compare=False)
     _slots: Optional[tuple] = field(default=None, repr=False, compare=False)  # engine.window's
+    # engine.spconv_igemm's tables (an object with a ``transposed()``: the transpose's tables).
+    _igemm: Optional[Any] = field(default=None, repr=False, compare=False)
 
     @property
     def num_offsets(self) -> int:
@@ -134,6 +136,8 @@ class KernelMap:
             if self._spconv is not None:  # the same table, its two rows swapped
                 pairs, counts = self._spconv
                 t._spconv = (pairs.flip(0), counts)
+            if self._igemm is not None:
+                t._igemm = self._igemm.transposed()
             self._transposed = t
         return self._transposed
 

@@ -62,8 +62,9 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
         assert layer[net]["tflops"] > 0
     strided = r["strided"]["fp32"]
     assert strided["channels"] == [4, 8] and strided["voxels"] == r["scene"]["voxels"]
-    for name in ("project", "project_window", "spconv"):
+    for name in ("project", "project_window", "project_elements", "spconv"):
         assert strided[name]["median_s"] > 0
+    assert "project_igemm" not in strided and "sparseunet_igemm" not in fp32  # CUDA only
     assert strided["time_ratio_project_window_over_spconv"] > 0
     assert "skipped" in r["strided"]["fp16"]["spconv"]
     assert "fp32 strided 4->8->4 (map included): project" in proc.stdout
@@ -86,8 +87,8 @@ def test_triton_variants_are_skipped_with_the_reason_where_they_cannot_run(tmp_p
     """``--triton`` on a CPU: spconv-triton's U-Net and layer are recorded as skipped, with why;
     the rest of the table is measured as without it."""
     out = tmp_path / "gpu.json"
-    proc = run(["--device", "cpu", *TINY, "--precisions", "fp32", "--triton", "--json", str(out)],
-               tmp_path)
+    proc = run(["--device", "cpu", *TINY, "--precisions", "fp32", "--triton", "--no-launches",
+                "--json", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     steps, layer = r["steps"]["fp32"], r["layer"]["fp32"]
@@ -95,6 +96,9 @@ def test_triton_variants_are_skipped_with_the_reason_where_they_cannot_run(tmp_p
     assert layer["spconv_triton"] == {"skipped": "spconv-triton runs on GPUs only"}
     assert "time_ratio_spconv_triton_unet_over_spconv" not in steps
     assert steps["sparseunet"]["median_s"] > 0 and r["complete"]
+    assert steps["launches"] == {} and "launches" not in proc.stdout  # --no-launches
+    assert steps["networks"] == ["spconv_unet", "sparseunet", "sparseunet_window",
+                                 "sparseunet_elements", "distributed_1x1x1"]
 
 
 def test_defaults_are_the_issues_scene(monkeypatch):

@@ -176,6 +176,78 @@ def test_tiling_maps_take_the_window_path_only_where_asked(gen, monkeypatch):
     assert not window.applies(subm, x.feats)
 
 
+def _maps(gen):
+    """Explicit maps of every kind a layer runs: k2s2 (tiling) and its transpose, k3s2p1, a
+    submanifold k3 map and one narrowed by select (rows without pairs)."""
+    x = random_cloud(gen, 400, channels=3)
+    _, k2 = strided_map(x.coords, 2, 2, 0, 1, (8, 8, 8))
+    _, k3 = strided_map(x.coords, 3, 2, 1, 1, (9, 9, 9))
+    subm = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
+    return {"k2s2": k2, "k2s2_inverse": k2.transpose(), "k3s2p1": k3, "subm": subm,
+            "selected": subm.select(subm.in_rows % 3 != 0)}
+
+
+@pytest.mark.parametrize("case", ["k2s2", "k2s2_inverse", "k3s2p1", "subm", "selected"])
+def test_implicit_gemm_tables_say_what_the_map_says(gen, case):
+    """spconv's implicit-GEMM tables built from a KernelMap (engine.spconv_igemm; its kernels
+    need CUDA, tests/test_gpu.py runs them): every pair in both tables, -1 elsewhere, masks
+    sorted with their rows' argsort; read as the kernels read them, they give the explicit
+    forward in float64, and the backward tables give the transposed one."""
+    from sparsepipe_hpc.engine import spconv_igemm
+
+    m = _maps(gen)[case]
+    t = spconv_igemm.tables(m)
+    k = m.num_offsets
+    offsets = m.pair_offsets()
+    assert t.pair_fwd.shape == (k, m.n_out) and t.pair_bwd.shape == (k, m.n_in)
+    assert int((t.pair_fwd >= 0).sum()) == int((t.pair_bwd >= 0).sum()) == m.num_pairs
+    assert torch.equal(t.pair_fwd[offsets, m.out_rows].long(), m.in_rows)
+    assert torch.equal(t.pair_bwd[offsets, m.in_rows].long(), m.out_rows)
+    for mask, order, pair in ((t.mask_fwd, t.argsort_fwd, t.pair_fwd),
+                              (t.mask_bwd, t.argsort_bwd, t.pair_bwd)):
+        assert mask.dtype == order.dtype == pair.dtype == torch.int32
+        assert bool((mask[1:] >= mask[:-1]).all())
+        assert torch.equal(order.sort().values.long(), torch.arange(pair.shape[1]))
+        bits = ((pair[:, order.long()] >= 0).long() << torch.arange(k)[:, None]).sum(0)
+        assert torch.equal(bits, mask.long())
+    f = torch.randn(m.n_in, 4, generator=gen, dtype=torch.float64)
+    w = torch.randn(5, k, 4, generator=gen, dtype=torch.float64)
+    ref = get_engine("torch")
+    torch.testing.assert_close(spconv_igemm.reference_forward(f, w, m), ref.forward(f, w, m),
+                               rtol=1e-12, atol=1e-12)
+    g = torch.randn(m.n_out, 4, generator=gen, dtype=torch.float64)
+    w_t = torch.randn(5, k, 4, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(spconv_igemm.reference_forward(g, w_t, m.transpose()),
+                               ref.forward(g, w_t, m.transpose()), rtol=1e-12, atol=1e-12)
+
+
+def test_implicit_gemm_tables_are_built_once_per_map_and_transpose(gen, monkeypatch):
+    """A map and its transpose share one build (the roles swapped), whichever comes first; the
+    path is off by default and never taken on the CPU (spconv's implicit GEMM is CUDA only)."""
+    from sparsepipe_hpc.engine import spconv_igemm
+
+    builds = []
+    side = spconv_igemm._side
+    monkeypatch.setattr(spconv_igemm, "_side", lambda *a: builds.append(1) or side(*a))
+    m = _maps(gen)["k2s2"]
+    t = spconv_igemm.tables(m)
+    assert spconv_igemm.tables(m) is t
+    t_inv = spconv_igemm.tables(m.transpose())
+    assert len(builds) == 2  # the forward and backward sides of one map, once
+    assert t_inv.pair_fwd is t.pair_bwd and t_inv.argsort_bwd is t.argsort_fwd
+    m2 = _maps(gen)["k3s2p1"]
+    inv2 = m2.transpose()  # made before the tables: they reach it all the same
+    spconv_igemm.tables(m2)
+    assert spconv_igemm.tables(inv2).pair_bwd is m2._igemm.pair_fwd and len(builds) == 4
+    x = torch.zeros(m.n_in, 2)
+    assert not spconv_igemm.applies(m, x)
+    monkeypatch.setattr(spconv_igemm, "DEVICES", ("cpu",))
+    assert not spconv_igemm.applies(m, x)
+    with pytest.raises(ValueError, match="at most 32 kernel offsets"):
+        spconv_igemm.tables(kernel_map(m.in_rows.new_zeros(1, 4).int(),
+                                       m.in_rows.new_zeros(1, 4).int(), 5, 1, 2, 1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32])
 def test_row_gather_forms_agree(gen, dtype):
     """Each form of engine.rows.take is x[idx], bit for bit: repeated, absent and int32 indices,

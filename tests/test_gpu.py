@@ -156,6 +156,63 @@ def test_tiling_maps_as_dense_gemms_on_gpu_equal_cpu(gen, dtype):
             torch.testing.assert_close(a.double().cpu(), r, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 2, 1)])
+def test_explicit_maps_through_implicit_gemm_on_gpu_equal_cpu(gen, dtype, k, s, p):
+    """engine.spconv_igemm (off by default; bench gpu times it): a strided map and its
+    transpose through spconv's implicit GEMM on the project's own tables, forward and backward,
+    equal the torch engine on the CPU; two same-shape layers on one map (forward 1, forward 2,
+    backward 2, backward 1) each get their own gradients."""
+    from halo.kmap import strided_map
+    from sparsepipe_hpc.engine import spconv_igemm
+
+    x = random_cloud(gen, 3000, channels=8, dtype=torch.float32)
+    shape = tuple(int(v) + 1 for v in x.coords[:, 1:].max(0).values)
+    out_shape = tuple((n + 2 * p - k) // s + 1 for n in shape)
+    _, km = strided_map(x.coords, k, s, p, 1, out_shape)
+    _, km_g = strided_map(x.coords.cuda(), k, s, p, 1, out_shape)
+    ref_eng, eng = get_engine("torch"), get_engine("spconv", "cuda")
+    tol = dict(rtol=1e-2, atol=5e-2) if dtype == torch.float16 else dict(rtol=1e-3, atol=1e-3)
+    for m, m_g, c_in, c_out in ((km, km_g, 8, 16), (km.transpose(), km_g.transpose(), 16, 8)):
+        layers = [(torch.randn(m.n_in, c_in, generator=gen, dtype=torch.float64),
+                   torch.randn(c_out, k ** 3, c_in, generator=gen, dtype=torch.float64) / 10,
+                   torch.randn(m.n_out, c_out, generator=gen, dtype=torch.float64))
+                  for _ in range(2)]
+        with spconv_igemm.on("cuda"):
+            dev = [tuple(t.cuda().to(dtype) for t in layer) for layer in layers]
+            assert spconv_igemm.applies(m_g, dev[0][0])
+            outs = [eng.forward(f, w, m_g) for f, w, _ in dev]
+            grads = [eng.backward(f, w, g, m_g) for f, w, g in reversed(dev)][::-1]
+        for (f, w, g), y, (gi, gw) in zip(layers, outs, grads):
+            ref_gi, ref_gw = ref_eng.backward(f, w, g, m)
+            torch.testing.assert_close(y.double().cpu(), ref_eng.forward(f, w, m), **tol)
+            torch.testing.assert_close(gi.double().cpu(), ref_gi, **tol)
+            torch.testing.assert_close(gw.double().cpu(), ref_gw, rtol=2e-2, atol=2e-1)
+
+
+def test_unet_with_implicit_gemm_strided_layers_equals_default_on_gpu(gen):
+    """The whole U-Net step with its strided and inverse layers through implicit GEMM gives the
+    default path's outputs and gradients (float32)."""
+    from sparsepipe_hpc.engine import spconv_igemm
+
+    x = random_cloud(gen, 4000, shape=(32, 32, 32), channels=3, dtype=torch.float32)
+    xc = x.replace(coords=x.coords.cuda(), feats=x.feats.cuda())
+    torch.manual_seed(0)
+    net = SparseUNet(3, 5, width=16, depth=3).cuda()
+
+    def step() -> list[torch.Tensor]:
+        net.zero_grad()
+        y = net(xc.replace(kmaps={})).feats
+        y.square().mean().backward()
+        return [y.detach().clone()] + [q.grad.clone() for q in net.parameters()]
+
+    ref = step()
+    with spconv_igemm.on("cuda"):
+        got = step()
+    for a, r in zip(got, ref):  # relative to the norm: spconv's fp32 tiles may run TF32
+        assert float((a - r).norm()) <= 5e-3 * float(r.norm())
+
+
 def test_two_layers_sharing_one_subm_map_each_get_their_own_gradients(gen):
     """Every submanifold layer of one stride shares one SubmMap, and the implicit GEMM's
     backward reuses the mask its forward stored there, keyed by weight shape and dtype: two

@@ -8,18 +8,34 @@ voxels in one precision (``dtype``: None is float32, else the autocast dtype).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
 from sparsepipe_hpc.bench.common import time_alternating, time_step
 from sparsepipe_hpc.sparse import SparseTensor
 
-__all__ = ["SKIP_CPU_AUTOCAST", "autocast", "spconv_runs", "triton_skip", "layer_table",
+__all__ = ["SKIP_CPU_AUTOCAST", "autocast", "variants", "switched", "spconv_runs", "triton_skip",
+           "layer_table",
            "strided_table", "gathers_table", "batchnorm_table", "kernel_maps_table"]
 
 SKIP_CPU_AUTOCAST = ("spconv's own layers fail under CPU autocast (their torch.mm into a float32 "
                      "buffer comes back in the autocast dtype); they run it on CUDA")
+
+
+def variants(device: torch.device) -> dict[str, Callable[[], ContextManager[None]]]:
+    """The switches a GPU measurement decides, each another way the project's layers can run,
+    off by default: name -> a context that turns it on. ``window``: tiling strided layers as
+    dense GEMMs (:mod:`sparsepipe_hpc.engine.window`); ``elements``: row gathers by single
+    elements (:mod:`sparsepipe_hpc.engine.rows`); ``igemm``, CUDA only: explicit maps through
+    spconv's implicit GEMM (:mod:`sparsepipe_hpc.engine.spconv_igemm`)."""
+    from sparsepipe_hpc.engine import rows, spconv_igemm, window
+
+    out: dict[str, Callable[[], ContextManager[None]]] = {
+        "window": lambda: window.on(device.type), "elements": lambda: rows.form("elements")}
+    if device.type == "cuda":
+        out["igemm"] = lambda: spconv_igemm.on(device.type)
+    return out
 
 
 def spconv_runs(device: torch.device, dtype: Optional[torch.dtype]) -> bool:
@@ -131,7 +147,6 @@ def strided_table(x: SparseTensor, c: int, args: Any, device: torch.device,
     each time (as a step does): the project's (default engine, and through
     :mod:`sparsepipe_hpc.engine.window`) against spconv's own layers."""
     from sparsepipe_hpc.bench.spconv_unet import _algo
-    from sparsepipe_hpc.engine import window
     from sparsepipe_hpc.nn import SparseConv3d, SparseInverseConv3d
 
     n = x.num_voxels
@@ -167,23 +182,29 @@ def strided_table(x: SparseTensor, c: int, args: Any, device: torch.device,
         return fn
 
     out: dict[str, Any] = {"channels": [c, 2 * c], "voxels": n}
-    plain = project()
-
-    def dense() -> None:  # the same layers through engine.window
-        with window.on(device.type):
-            plain()
-
-    runs = {"project": plain, "project_window": dense}
+    runs = {"project": project()}
+    runs.update({f"project_{v}": switched(runs["project"], on)
+                 for v, on in variants(device).items()})
+    ours = list(runs)
     if spconv_runs(device, dtype):
         runs["spconv"] = spconv()
     else:
         out["spconv"] = {"skipped": SKIP_CPU_AUTOCAST}
     out.update(time_alternating(runs, device, args.repeats))
     if "spconv" in runs:
-        for name in ("project", "project_window"):
+        for name in ours:
             out[f"time_ratio_{name}_over_spconv"] = (out[name]["median_s"]
                                                      / out["spconv"]["median_s"])
     return out
+
+
+def switched(fn: Callable[[], None], on: Callable[[], ContextManager[None]]
+             ) -> Callable[[], None]:
+    """``fn`` run with a :func:`variants` switch on."""
+    def run() -> None:
+        with on():
+            fn()
+    return run
 
 
 def gathers_table(n: int, c: int, args: Any, device: torch.device,

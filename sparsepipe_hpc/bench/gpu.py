@@ -10,19 +10,20 @@ on a CPU), median of ``--repeats`` rounds after a warm-up, the variants of a tab
 within each round; the JSON is rewritten after each precision (``complete`` once all ran):
 
   steps        per precision (fp32, and fp16/bf16 under torch.autocast): the plain spconv U-Net
-               (:mod:`.spconv_unet`), ``SparseUNet`` on one rank (and ``sparseunet_window``: the
-               same with its strided layers as dense GEMMs, :mod:`sparsepipe_hpc.engine.window`;
-               ``sparseunet_elements``: with its row gathers by single elements,
-               :mod:`sparsepipe_hpc.engine.rows`; both off by default until measured), and the
+               (:mod:`.spconv_unet`), ``SparseUNet`` on one rank (and ``sparseunet_<switch>``
+               with each switch a GPU measurement decides, off by default until then:
+               ``window``, strided layers as dense GEMMs; ``elements``, row gathers by single
+               elements; ``igemm``, CUDA only, strided layers through spconv's implicit GEMM;
+               :func:`._gpu_tables.variants`), and the
                distributed model on a
                1x1x1 grid (every layer through the spatial path, empty exchanges); step time and
                peak device memory, and each one's ratio to plain spconv (the issue's target:
                <= 1.10 in time and memory). ``--triton`` adds the plain U-Net written with
                spconv-triton's layers (``spconv_triton_unet``: a pure-Triton drop-in for spconv,
                GPUs only; Triton tunes each new shape in the warm-up round).
-               ``launches``: per network, the kernels, CUDA runtime calls, host
-               synchronizations and torch ops of one more step (:mod:`.launches`), what made
-               the project's step slow before (issue 10's profile).
+               ``launches`` (unless ``--no-launches``): per network, the kernels, CUDA runtime
+               calls, host synchronizations and torch ops of one more step (:mod:`.launches`),
+               what made the project's step slow before (issue 10's profile).
   layer        one submanifold 3x3x3 layer, C -> C channels, forward + backward on the scene's
                voxels: project layer (``project``: the default engine; ``project_torch``: the
                own torch engine), spconv's ``SubMConv3d``, and ``torch.mm`` of the same GEMM
@@ -31,8 +32,8 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                spconv-triton's ``SubMConv3d``.
   strided      a U-Net level's strided pair on the scene's voxels, forward + backward, its map
                built each time: ``SparseConv3d`` k2s2 W -> 2W and ``SparseInverseConv3d`` back
-               (W = ``--width``), the project's (``project``; ``project_window`` as dense GEMMs)
-               against spconv's own (implicit GEMM on CUDA).
+               (W = ``--width``), the project's (``project``, and ``project_<switch>`` with each
+               switch of ``sparseunet_<switch>``) against spconv's own (implicit GEMM on CUDA).
   gathers      a row gather of the scene's voxels at ``--width`` and twice as many channels in
                the precision's dtype, through a random permutation, by each form torch has:
                ``x[idx]`` (``index``; the strided layers' explicit-pair backward gathers so, and
@@ -63,7 +64,8 @@ import torch
 from sparsepipe_hpc.bench.common import environment, time_alternating, write_json
 from sparsepipe_hpc.bench._gpu_tables import (SKIP_CPU_AUTOCAST, autocast, batchnorm_table,
                                               gathers_table, kernel_maps_table, layer_table,
-                                              spconv_runs, strided_table, triton_skip)
+                                              spconv_runs, strided_table, switched, triton_skip,
+                                              variants)
 from sparsepipe_hpc.bench.launches import step_launches
 from sparsepipe_hpc.sparse import SparseTensor
 
@@ -94,13 +96,12 @@ def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
                ) -> dict[str, Callable[[], None]]:
     """One forward + backward each, from fresh coordinates (kernel maps included): the plain spconv
     U-Net (left out where spconv cannot run it: CPU autocast), ``SparseUNet`` on one rank (also
-    with its strided layers as dense GEMMs: ``sparseunet_window``; with its row gathers by
-    elements: ``sparseunet_elements``), and the distributed model on a 1x1x1 grid; the same seed, so the U-Nets start alike. ``triton``: also
+    with each switch of :func:`._gpu_tables.variants` on: ``sparseunet_<switch>``), and the
+    distributed model on a 1x1x1 grid; the same seed, so the U-Nets start alike. ``triton``: also
     the plain U-Net in spconv-triton's layers, where :func:`triton_skip` allows."""
     from mpi4py import MPI
 
     from sparsepipe_hpc.bench.spconv_unet import SpconvUNet
-    from sparsepipe_hpc.engine import rows, window
     from sparsepipe_hpc.nn import SparseUNet
     from sparsepipe_hpc.parallel.context import ParallelContext
     from sparsepipe_hpc.parallel.layout import RankLayout
@@ -144,16 +145,9 @@ def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
 
         steps["spconv_triton_unet"] = triton_step
 
-    def window_step() -> None:  # the strided layers as dense GEMMs (engine.window, off today)
-        with window.on(device.type):
-            ours_step()
-
-    def elements_step() -> None:  # row gathers by single elements (engine.rows, off today)
-        with rows.form("elements"):
-            ours_step()
-
-    steps.update(sparseunet=ours_step, sparseunet_window=window_step,
-                 sparseunet_elements=elements_step, distributed_1x1x1=dist_step)
+    steps["sparseunet"] = ours_step
+    steps.update({f"sparseunet_{v}": switched(ours_step, on) for v, on in variants(device).items()})
+    steps["distributed_1x1x1"] = dist_step
     return steps
 
 
@@ -166,16 +160,16 @@ def _steps(x: SparseTensor, args: Any, device: torch.device,
     if args.triton and "spconv_triton_unet" not in steps:
         out["spconv_triton_unet"] = {"skipped": triton_skip(device)}
     out.update(time_alternating(steps, device, args.repeats))
+    out["networks"] = list(steps)  # the ones timed, in order
     out["launches"] = {}
-    for name, fn in steps.items():
+    for name, fn in steps.items() if args.launches else ():
         try:  # a diagnostic: a profiler that fails must not cost the timings above
             out["launches"][name] = step_launches(fn, device)
         except Exception as e:
             out["launches"][name] = {"error": f"{type(e).__name__}: {e}"}
     base = out["spconv_unet"]
-    for name in ("sparseunet", "sparseunet_window", "sparseunet_elements", "distributed_1x1x1",
-                 "spconv_triton_unet"):
-        if name not in steps:
+    for name in steps:
+        if name == "spconv_unet":
             continue
         if "median_s" in base:
             out[f"time_ratio_{name}_over_spconv"] = out[name]["median_s"] / base["median_s"]
@@ -199,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "bf16 autocast its own layers compute in fp16 (their custom_fwd casts to "
                    "float16 whatever the autocast dtype) and the project's in float32")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--launches", action=argparse.BooleanOptionalAction, default=True,
+                   help="profile one more step of each network (kernels, runtime calls, host "
+                   "syncs; slow at the issue's scene): --no-launches leaves the timings only")
     p.add_argument("--triton", action="store_true", help="also time the plain U-Net and the layer "
                    "in spconv-triton's layers (pip install spconv-triton; GPUs only)")
     return p
@@ -234,11 +231,11 @@ def main(argv: list[str]) -> None:
         "complete": False}
     for name in names:
         steps = result["steps"][name] = _steps(x, args, device, PRECISIONS[name])
-        for net in ("spconv_unet", "spconv_triton_unet", "sparseunet", "sparseunet_window",
-                    "sparseunet_elements", "distributed_1x1x1"):
-            if net not in steps:
+        timed = steps["networks"]
+        for net in [n for n in ("spconv_unet", "spconv_triton_unet") if n not in timed] + timed:
+            t = steps.get(net)
+            if t is None:
                 continue
-            t = steps[net]
             if "skipped" in t:
                 print(f"{name} step {net:18s} skipped: {t['skipped']}")
                 continue
@@ -266,10 +263,8 @@ def main(argv: list[str]) -> None:
                   f"{t['median_s'] * 1e3:8.2f} ms {t['tflops']:8.3f} TFLOP/s")
         st = result["strided"][name] = strided_table(x, args.width, args, device, PRECISIONS[name])
         print(f"{name} strided {args.width}->{2 * args.width}->{args.width} (map included): "
-              f"project {st['project']['median_s'] * 1e3:.2f} ms, as dense GEMMs "
-              f"{st['project_window']['median_s'] * 1e3:.2f} ms" +
-              (f", spconv {st['spconv']['median_s'] * 1e3:.2f} ms" if "median_s" in
-               st.get("spconv", {}) else ""))
+              + ", ".join(f"{run} {t['median_s'] * 1e3:.2f} ms" for run, t in st.items()
+                          if isinstance(t, dict) and "median_s" in t))
         result["gathers"][name] = []
         for c in (args.width, 2 * args.width):
             gt = gathers_table(x.num_voxels, c, args, device, PRECISIONS[name])

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from sparsepipe_hpc.engine import rows, window
+from sparsepipe_hpc.engine import rows, spconv_igemm, window
 from sparsepipe_hpc.engine.base import Engine, Progress
 
 __all__ = ["SpconvEngine", "SpconvDtypeError", "patch_spconv", "single_thread", "spconv_call",
@@ -129,6 +129,14 @@ class SpconvEngine(Engine):
             return y if out is None else out.add_(y)
         if kmap.num_pairs == 0:
             return feats.new_zeros(kmap.n_out, weight.shape[0]) if out is None else out
+        if spconv_igemm.applies(kmap, feats):
+            work = native_dtype(feats.dtype, feats.device)  # its kernels: float32 and float16
+            with spconv_call(feats.device):
+                y = spconv_igemm.forward(feats.to(work).contiguous(),
+                                         weight.to(work).contiguous(), kmap).to(feats.dtype)
+            if progress is not None:
+                progress()
+            return y if out is None else out.add_(y)
         if window.applies(kmap, feats):  # torch's GEMMs: any dtype
             with spconv_call(feats.device):  # autocast off: the dtype given
                 y = window.forward(feats.contiguous(), weight.contiguous(), kmap)
@@ -166,6 +174,19 @@ class SpconvEngine(Engine):
             if grad_in is None and need_input_grad:
                 grad_in = feats.new_zeros(kmap.n_in, weight.shape[2])
             return grad_in, torch.zeros_like(weight)
+        if spconv_igemm.applies(kmap, feats):
+            work = native_dtype(feats.dtype, feats.device)
+            with spconv_call(feats.device):
+                gi, gw = spconv_igemm.backward(
+                    feats.to(work).contiguous(), weight.to(work).contiguous(),
+                    grad_out.to(work).contiguous(), kmap, need_input_grad or grad_in is not None)
+            if progress is not None:
+                progress()
+            gw = gw.to(weight.dtype)
+            if gi is None:
+                return None, gw
+            gi = gi.to(feats.dtype)
+            return (gi if grad_in is None else grad_in.add_(gi)), gw
         if window.applies(kmap, feats):
             with spconv_call(feats.device):
                 gi, gw = window.backward(feats.contiguous(), weight.contiguous(),
