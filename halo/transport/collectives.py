@@ -120,11 +120,15 @@ def allreduce_(t: torch.Tensor, comm: Any, op: str = "sum") -> torch.Tensor:
         return t
     comm, reducer = _route(comm, t)
     if reducer is not None:
-        dense = t.detach().contiguous()
+        # Copies in and out through the compute stream: after t's producers, after the sum.
+        compute, dense = reducer.device.compute, t.detach()
+        if not dense.is_contiguous():
+            dense = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            compute.copy_(dense, t.detach())
         reducer.iallreduce_(dense, op).wait()
         if dense.data_ptr() != t.data_ptr():
             with torch.no_grad():
-                t.copy_(dense)  # on the compute stream, after the wait above
+                compute.copy_(t, dense)
         return t
     if _direct(t):
         comm.Allreduce(_mpi().IN_PLACE, _buffer(t.detach()), op=MPI_op)

@@ -101,7 +101,9 @@ class StagedReducer(Reducer):
             return CompletedRequest()
         src = t
         if t.dtype not in mpi_types():  # widened on the compute stream, before the event below
-            src = t.to(torch.float64 if t.is_floating_point() else torch.int64)
+            src = torch.empty(t.shape, device=t.device,
+                              dtype=torch.float64 if t.is_floating_point() else torch.int64)
+            self.device.compute.copy_(src, t)  # (a host-side t.to() would not wait for t)
         buf = self.pool.acquire(src.nbytes)
         self.stream.wait_event(self.device.compute.record())
         self.stream.copy_(buf[:src.nbytes].view(src.dtype), src)

@@ -187,3 +187,30 @@ def test_a_reduce_group_routes_its_device_tensors_to_the_reducer(comm, kind):
     if comm.size > 1:
         assert used() > 0, "the group's tensors did not go through its reducer"
     red.close()
+
+
+@pytest.mark.parametrize("kind,dtype", [("staged", torch.float32), ("staged", torch.bfloat16),
+                                        ("staged", torch.float16), ("ipc", torch.float32),
+                                        ("ipc", torch.bfloat16)])
+def test_a_reduce_group_reads_and_writes_through_the_compute_stream(comm, kind, dtype):
+    """On a device whose work lags its host (as a GPU's does), allreduce_ over a ReduceGroup
+    reads a non-contiguous tensor after its producer ran and writes the sum before its consumer
+    runs; so does the widening of a dtype MPI cannot reduce (bfloat16, float16). Host-side
+    copies (``t.contiguous()``, ``t.to(float64)``) read the tensor before the producer ran."""
+    from halo.transport.collectives import ReduceGroup
+    from halo.transport.ipc_reduce import IPCReducer
+    from halo.transport.staged_reduce import StagedReducer
+    from halo.transport.streams import SimDevice
+
+    dev = SimDevice(lag=3)
+    red = StagedReducer(comm, dev) if kind == "staged" else IPCReducer(comm, dev)
+    make = lambda r: ((torch.arange(12.0).reshape(4, 3) % 5) * (r + 1)).to(dtype).t()  # noqa: E731
+    t = torch.zeros(4, 3, dtype=dtype).t()  # non-contiguous
+    dev.compute.launch(lambda: t.copy_(make(comm.rank)))  # the producer, still queued
+    allreduce_(t, ReduceGroup(comm, red))
+    seen: list[torch.Tensor] = []
+    dev.compute.launch(lambda: seen.append(t.clone()))  # the consumer
+    dev.compute.record().synchronize()
+    want = sum(make(r).double() for r in range(comm.size)).to(dtype)
+    assert torch.equal(seen[0], want) and torch.equal(t, want)
+    red.close()
