@@ -90,6 +90,7 @@ class _Send:
     def __init__(self, peer: int, tensor: torch.Tensor, ready: Any, tag: int) -> None:
         self.peer, self.tensor, self.ready, self.tag = peer, tensor, ready, tag
         self.done: Any = None  # the "done" message once sent
+        self.failed: Optional[str] = None  # why it could not be carried out
 
 
 _PENDING = object()  # a "done" not arrived yet
@@ -117,6 +118,9 @@ class _IPCRequest(Request):
         """Progress every IPC transport; True once every message of this request has gone and
         every peer's "done" has arrived."""
         progress_all()
+        failed = [s.failed for s in self._sends if s.failed]
+        if failed:
+            raise TransportError(f"IPCTransport: a send of this exchange failed: {failed[0]}")
         for j, req in enumerate(self._done_from):
             if self._dones[j] is _PENDING:
                 arrived, msg = req.test()
@@ -137,9 +141,6 @@ class _IPCRequest(Request):
         polls = 0
         while not self._complete():  # waits for the peers' hosts, never for a device
             if not progress_all():  # nothing of ours waits for a "ready": block in MPI
-                if any(s.done is None for s in self._sends):
-                    raise TransportError("IPCTransport: a send of this exchange failed earlier "
-                                         "(see the first error); the exchange cannot complete")
                 for j, req in enumerate(self._done_from):
                     if self._dones[j] is _PENDING:
                         self._dones[j] = req.wait()
@@ -247,9 +248,12 @@ class IPCTransport(Transport):
         """The copy of ``s`` into the peer's buffer ``handle``, our event after it, "done"."""
         nbytes = s.tensor.nbytes
         if capacity < nbytes:
-            raise TransportError(f"IPCTransport: rank {s.peer} offered {capacity} bytes for a "
-                                 f"send of {nbytes}; start exchanges in the same order with "
-                                 f"matching sizes on every rank")
+            s.failed = (f"rank {s.peer} offered {capacity} bytes for a send of {nbytes}; start "
+                        f"exchanges in the same order with matching sizes on every rank")
+            # A "done" without an event all the same: the receiver's wait raises on the size
+            # (rather than hang), and later messages of this (peer, tag) keep their order.
+            s.done = self.done_comm.isend((None, nbytes), dest=s.peer, tag=s.tag)
+            raise TransportError(f"IPCTransport: {s.failed}")
         target = self._target(handle, capacity)
         self.stream.copy_(target.data[:nbytes], _bytes(s.tensor))
         if target.event is not None:
@@ -267,12 +271,18 @@ class IPCTransport(Transport):
     def close(self) -> None:
         """Release every buffer and event. Collective over the communicator, after every request
         has completed on every rank: each rank unmaps its peers' buffers, and frees its own only
-        once every peer has unmapped them. Closing again does nothing."""
+        once every peer has unmapped them. A send still waiting for its peer's start raises
+        TransportError on every rank (nothing freed). Closing again does nothing."""
         if self.closed:
             return
-        if self._unsent:
-            raise TransportError(f"IPCTransport: close with {len(self._unsent)} send(s) still "
-                                 f"waiting for their peer's start; wait for every request first")
+        self._send_ready()
+        # Agreed (one allgather), so every rank raises, rather than one raising while its peers
+        # wait in the barrier below.
+        unsent = self.comm.allgather(len(self._unsent))
+        if any(unsent):
+            held = ", ".join(f"rank {r}: {n}" for r, n in enumerate(unsent) if n)
+            raise TransportError(f"IPCTransport: close with send(s) still waiting for their "
+                                 f"peer's start ({held}); wait for every request first")
         self.closed = True
         _live.discard(self)
         self._buffers, self._targets = {}, {}

@@ -219,18 +219,42 @@ def test_a_size_mismatch_is_an_error_not_garbage(comm, make):
             tr.start([], [(0, torch.zeros(4))], tag=9).wait()
 
 
-def test_closing_with_a_send_not_carried_out_is_an_error(comm, make):
+def test_a_send_larger_than_the_receive_raises_on_both_ranks_and_later_ones_keep_order(comm,
+                                                                                      make):
+    """A send too large for the buffer its receiver offered is refused on the sender and
+    reported to the receiver (its wait raises rather than hangs); the next message of the same
+    tag still lands in the next receive."""
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    tr = make()
+    if comm.rank == 0:
+        with pytest.raises(TransportError, match="rank 1 offered 256 bytes for a send of 2000"):
+            tr.start([(1, torch.zeros(500))], [], tag=11).wait()
+        tr.start([(1, torch.full((4,), 7.0))], [], tag=11).wait()
+    elif comm.rank == 1:
+        first, second = torch.zeros(4), torch.zeros(4)
+        r1 = tr.start([], [(0, first)], tag=11)
+        r2 = tr.start([], [(0, second)], tag=11)
+        with pytest.raises(TransportError, match="a peer sent 2000 bytes where the receive "
+                                                 "tensor has 16"):
+            r1.wait()
+        r2.wait()
+        tr.device.compute.record().synchronize()
+        assert second.eq(7.0).all()
+
+
+def test_closing_with_a_send_not_carried_out_is_an_error_on_every_rank(comm, make):
     """A send still waiting for its peer's start would be lost (and the peer hang): close
-    refuses, and the exchange completes once the peer starts it."""
+    refuses on every rank (so none waits for the others in its barrier), frees nothing, and the
+    exchange completes once the peer starts it."""
     if comm.size < 2:
         pytest.skip("needs a peer")
     tr = make()
     if comm.rank == 0:
         req = tr.start([(1, torch.ones(3))], [], tag=10)
-        with pytest.raises(TransportError, match="close with 1 send.* still waiting for their "
-                                                 "peer's start"):
-            tr.close()
-    comm.Barrier()  # rank 1 starts only now
+    with pytest.raises(TransportError, match=r"close with send\(s\) still waiting for their "
+                                             r"peer's start \(rank 0: 1\)"):
+        tr.close()
     if comm.rank == 0:
         req.wait()
     elif comm.rank == 1:
