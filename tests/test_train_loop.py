@@ -360,6 +360,24 @@ def test_crash_between_manifest_and_rename_leaves_a_loadable_checkpoint(data, tm
     assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
 
 
+def test_a_setup_that_fails_after_the_context_frees_what_it_built(data, tmp_path, monkeypatch):
+    """An agreed setup error after the communicators exist (here the run directory, the last
+    step of setup) closes the context, pipelines and data files before it propagates, so a
+    caller that goes on keeps none of them."""
+    from sparsepipe_hpc.parallel.context import ParallelContext
+
+    closed = []
+    real = ParallelContext.close
+    monkeypatch.setattr(ParallelContext, "close", lambda self: closed.append(self) or real(self))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SetupError, match=r"cannot write the run directory"):
+        Trainer(tiny(data, tmp_path / "file" / "run", "--micro-batches", "2"), MPI.COMM_SELF,
+                log=None)
+    assert len(closed) == 1
+    with pytest.raises(RuntimeError, match="used after close"):
+        closed[0].global_count(1)
+
+
 # --- --out that cannot take the run (issue 9, item 6) ---------------------------------------------
 def test_out_not_writable_or_too_full_is_refused_before_step_1(data, tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")

@@ -275,14 +275,19 @@ class IPCTransport(Transport):
         TransportError on every rank (nothing freed). Closing again does nothing."""
         if self.closed:
             return
-        self._send_ready()
+        try:
+            self._send_ready()
+            failed = ""
+        except TransportError as e:  # counted below: raised alone, it would leave peers waiting
+            failed = str(e)
         # Agreed (one allgather), so every rank raises, rather than one raising while its peers
         # wait in the barrier below.
-        unsent = self.comm.allgather(len(self._unsent))
-        if any(unsent):
-            held = ", ".join(f"rank {r}: {n}" for r, n in enumerate(unsent) if n)
+        states = self.comm.allgather((len(self._unsent), failed))
+        if any(n or why for n, why in states):
+            held = ", ".join(f"rank {r}: {n}" + (f" ({why})" if why else "")
+                             for r, (n, why) in enumerate(states) if n or why)
             raise TransportError(f"IPCTransport: close with send(s) still waiting for their "
-                                 f"peer's start ({held}); wait for every request first")
+                                 f"peer's start or failed ({held}); wait for every request first")
         self.closed = True
         _live.discard(self)
         self._buffers, self._targets = {}, {}

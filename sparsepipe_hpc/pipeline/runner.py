@@ -65,6 +65,11 @@ class Pipeline:
     deferred running statistics (True) or per-micro-batch updates (False); None leaves them.
     ``autocast``: a context every forward (blocks and loss) runs in, e.g. bf16 autocast (then
     carries travel in bf16 and their gradients come back in it).
+
+    What only one rank can check about a stage message (a header over its size limit,
+    micro-batch or carry counts that disagree between sender and receiver) raises on that rank
+    alone, while its peers wait for it: run under ``python -m launch run`` or call
+    :func:`launch.run.abort_on_exception` (the trainer does), so such an error ends the job.
     """
 
     def __init__(self, model: Any, ctx: Any, balance: Optional[str | Sequence[int]] = None,
@@ -120,6 +125,10 @@ class Pipeline:
         the micro-batches on the last stage, [] elsewhere. ``backward=False``: forward only
         (evaluation), ``loss_fn``'s results returned. ``last_backward``, ``scale_loss``: see
         StageExecutor.run."""
+        from mpi4py import MPI
+
+        if self._comm == MPI.COMM_NULL:  # before any block runs or any state changes
+            raise RuntimeError("Pipeline.run after close(); build a new Pipeline")
         shares = self.executor.run(inputs if self.is_first else [None] * self.micro_batches,
                                    contexts, loss_fn if self.is_last else None, step, backward,
                                    last_backward, scale_loss)

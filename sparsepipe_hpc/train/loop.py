@@ -49,6 +49,7 @@ from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.nn import build_model
 from halo.transport.collectives import allreduce_
 from sparsepipe_hpc.parallel.context import ParallelContext
+from sparsepipe_hpc.parallel.gradients import GradientReducer
 from sparsepipe_hpc.pipeline.runner import Pipeline
 from sparsepipe_hpc.train import checkpoint as ckpt_io
 from sparsepipe_hpc.train import resume, run_files
@@ -56,8 +57,8 @@ from sparsepipe_hpc.train.agreement import (SetupError, agree, check_grid_fits, 
                                             data_fingerprint)
 from sparsepipe_hpc.parallel.input import LocalBatch, read_distributed
 from sparsepipe_hpc.data.prefetch import Prefetcher
-from sparsepipe_hpc.train.config import (TrainConfig, distributed_input, local_batch_size,
-                                         resolve_layout, use_prefetch)
+from sparsepipe_hpc.train.config import (ConfigError, TrainConfig, distributed_input,
+                                         local_batch_size, resolve_layout, use_prefetch)
 from sparsepipe_hpc.train.device import Precision, trainer_device
 from sparsepipe_hpc.train.transport import device_comm, trainer_transport
 from sparsepipe_hpc.train.metrics import MetricsLog, format_summary
@@ -102,6 +103,22 @@ class Trainer:
         self.ctx = ParallelContext(comm, self.layout, cuts=cfg.cuts, overlap=cfg.overlap,
                                    transport=self.device_comm.halo,
                                    reducer=self.device_comm.reducer)
+        self.train_set: Any = None
+        self.val_set: Any = None
+        self.pipe: Optional[Pipeline] = None
+        self.eval_pipe: Optional[Pipeline] = None
+        self.reducer: Optional[GradientReducer] = None
+        try:
+            self._build()
+        except (SetupError, ConfigError):
+            # Raised on every rank together (setup agrees on failures): free what was built,
+            # collectively, so a caller that goes on does not keep communicators and buffers.
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        """The data, model, pipelines, reducers, optimizer and outputs (``__init__``'s rest)."""
+        cfg, comm = self.cfg, self.comm
         self.seg = cfg.task == "seg"
 
         data_dir = Path(cfg.data) if cfg.data else default_data(cfg.task, comm=comm)
@@ -131,8 +148,6 @@ class Trainer:
         self._ahead: Optional[Prefetcher[Any]] = None
         # Pipeline (--stages, --micro-batches): this rank trains its stage's blocks only; eval
         # runs the same stages forward, one micro-batch per batch.
-        self.pipe: Optional[Pipeline] = None
-        self.eval_pipe: Optional[Pipeline] = None
         if cfg.stages > 1 or cfg.micro_batches > 1:
             stages = self.device_comm.stages  # device payloads: CUDA IPC or host-staged
             amp = self.precision.autocast  # --precision bf16/fp16: every stage's forward
@@ -447,8 +462,9 @@ class Trainer:
         if self.reducer is not None:
             self.reducer.close()
         self.ctx.close()
-        self.train_set.close()
-        self.val_set.close()
+        for data in (self.train_set, self.val_set):
+            if data is not None:
+                data.close()
 
     # --- messages --------------------------------------------------------------------------------
     def _say(self, text: str, bar: Any = None) -> None:

@@ -162,6 +162,8 @@ def _pipelined(comm, model, batch, name, stages, grid, kind, m, backward=True, d
     assert len(shares) == (m if pipe.is_last else 0)
     loss = comm.allreduce(float(sum(shares)) if shares else 0.0)
     pipe.close()  # collective: the stage link's transport and communicator,
+    with pytest.raises(RuntimeError, match="Pipeline.run after close"):  # before any block ran
+        pipe.run(inputs, contexts, loss_fn)
     ctx.close()   # then the context's (IPC buffers and shared-memory files among them)
     return pos, pipe.plan, loss
 
