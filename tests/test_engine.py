@@ -239,10 +239,10 @@ def test_implicit_gemm_tables_are_built_once_per_map_and_transpose(gen, monkeypa
     inv2 = m2.transpose()  # made before the tables: they reach it all the same
     spconv_igemm.tables(m2)
     assert spconv_igemm.tables(inv2).pair_bwd is m2._igemm.pair_fwd and len(builds) == 4
-    x = torch.zeros(m.n_in, 2)
-    assert not spconv_igemm.applies(m, x)
+    x, w = torch.zeros(m.n_in, 2), torch.zeros(3, 8, 2)
+    assert not spconv_igemm.applies(m, x, w)
     monkeypatch.setattr(spconv_igemm, "DEVICES", ("cpu",))
-    assert not spconv_igemm.applies(m, x)
+    assert not spconv_igemm.applies(m, x, w)
     with pytest.raises(ValueError, match="at most 32 kernel offsets"):
         spconv_igemm.tables(kernel_map(m.in_rows.new_zeros(1, 4).int(),
                                        m.in_rows.new_zeros(1, 4).int(), 5, 1, 2, 1))

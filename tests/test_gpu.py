@@ -180,7 +180,7 @@ def test_explicit_maps_through_implicit_gemm_on_gpu_equal_cpu(gen, dtype, k, s, 
                   for _ in range(2)]
         with spconv_igemm.on("cuda"):
             dev = [tuple(t.cuda().to(dtype) for t in layer) for layer in layers]
-            assert spconv_igemm.applies(m_g, dev[0][0])
+            assert spconv_igemm.applies(m_g, dev[0][0], dev[0][1])
             outs = [eng.forward(f, w, m_g) for f, w, _ in dev]
             grads = [eng.backward(f, w, g, m_g) for f, w, g in reversed(dev)][::-1]
         for (f, w, g), y, (gi, gw) in zip(layers, outs, grads):

@@ -129,7 +129,7 @@ class SpconvEngine(Engine):
             return y if out is None else out.add_(y)
         if kmap.num_pairs == 0:
             return feats.new_zeros(kmap.n_out, weight.shape[0]) if out is None else out
-        if spconv_igemm.applies(kmap, feats):
+        if spconv_igemm.applies(kmap, feats, weight):
             work = native_dtype(feats.dtype, feats.device)  # its kernels: float32 and float16
             with spconv_call(feats.device):
                 y = spconv_igemm.forward(feats.to(work).contiguous(),
@@ -174,7 +174,7 @@ class SpconvEngine(Engine):
             if grad_in is None and need_input_grad:
                 grad_in = feats.new_zeros(kmap.n_in, weight.shape[2])
             return grad_in, torch.zeros_like(weight)
-        if spconv_igemm.applies(kmap, feats):
+        if spconv_igemm.applies(kmap, feats, weight):
             work = native_dtype(feats.dtype, feats.device)
             with spconv_call(feats.device):
                 gi, gw = spconv_igemm.backward(

@@ -1,6 +1,6 @@
 """Explicit kernel maps through spconv's implicit GEMM: a KernelMap's pairs as spconv's tables.
 
-    if spconv_igemm.applies(kmap, feats):
+    if spconv_igemm.applies(kmap, feats, weight):
         y = spconv_igemm.forward(feats, weight, kmap)                       # [N_out, C_out]
         g_feats, g_weight = spconv_igemm.backward(feats, weight, grad_y, kmap, True)
 
@@ -25,8 +25,11 @@ The transposed map (an inverse convolution) swaps the forward and backward table
 gradient reads, depends on the tables and the tile the kernel chose (so on channels and dtype),
 not on the data: it is kept per weight shape and dtype.
 
-Off by default (:data:`DEVICES`): implicit GEMM runs on CUDA only and has not been timed on the
-project's maps yet; ``bench gpu`` times the U-Net with it (``sparseunet_igemm``). CPU tests hold
+These semantics were checked against the sources spconv 2.3.8 and cumm 0.7.11 generate their
+kernels from (``indices.py``'s stage-2 tables, the in-place ascending key sort, -1 read as zero
+by every gather, the inverse's swap without a weight flip); fp16 tiles may accumulate in fp16,
+as spconv's own layers' do. Off by default (:data:`DEVICES`): implicit GEMM runs on CUDA only
+and has not run on the project's maps yet; ``bench gpu`` times the U-Net with it (``sparseunet_igemm``). CPU tests hold
 the tables to the map (:func:`reference_forward`, the tables read as the kernels read them).
 """
 
@@ -73,9 +76,9 @@ def _side(rows: torch.Tensor, other: torch.Tensor, offsets: torch.Tensor, k: int
     """(pair [K, n] with ``other`` at (offset, row), -1 elsewhere; masks sorted; argsort)."""
     pair = torch.full((k, n), -1, dtype=torch.int32, device=rows.device)
     pair[offsets, rows] = other.to(torch.int32)
-    # A (row, offset) has at most one pair, so a sum of distinct bits is their OR.
-    mask = torch.zeros(n, dtype=torch.int64, device=rows.device)
-    mask.index_add_(0, rows, torch.ones_like(offsets) << offsets)
+    # The bits read off the table itself, so mask and table agree whatever the pairs were.
+    bits = torch.arange(k, device=rows.device)[:, None]
+    mask = ((pair >= 0).to(torch.int64) << bits).sum(0)
     sorted_mask, order = torch.sort(mask.to(torch.int32), stable=True)
     return pair, sorted_mask, order.to(torch.int32)
 
@@ -110,12 +113,17 @@ def on(device_type: str) -> Iterator[None]:
         DEVICES = saved
 
 
-def applies(kmap: object, feats: torch.Tensor) -> bool:
+def applies(kmap: object, feats: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``kmap`` is an explicit map this module runs on ``feats``' device: a CUDA device
-    listed in :data:`DEVICES`, at most :data:`MAX_OFFSETS` offsets, and pairs to convolve."""
-    return (isinstance(kmap, KernelMap) and feats.device.type in DEVICES
+    listed in :data:`DEVICES`, at most :data:`MAX_OFFSETS` offsets, pairs to convolve, and
+    operands under 2 GiB (cumm's kernels index each with 32 bits; float32 assumed, as bfloat16
+    computes in it)."""
+    if not (isinstance(kmap, KernelMap) and feats.device.type in DEVICES
             and feats.device.type == "cuda" and kmap.num_offsets <= MAX_OFFSETS
-            and kmap.num_pairs > 0)
+            and kmap.num_pairs > 0):
+        return False
+    c_out, _, c_in = weight.shape
+    return max(kmap.n_in * c_in, kmap.n_out * c_out) * 4 < 2**31
 
 
 def _masks() -> list[np.ndarray]:
