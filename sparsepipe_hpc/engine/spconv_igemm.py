@@ -35,14 +35,15 @@ the tables to the map (:func:`reference_forward`, the tables read as the kernels
 
 from __future__ import annotations
 
-import contextlib
+import sys
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import ContextManager, Optional
 
 import numpy as np
 import torch
 
 from halo.kmap import KernelMap
+from sparsepipe_hpc.engine.base import switched_on
 
 __all__ = ["DEVICES", "MAX_OFFSETS", "Tables", "tables", "applies", "on", "forward", "backward",
            "reference_forward"]
@@ -101,16 +102,9 @@ def tables(kmap: KernelMap) -> Tables:
     return kmap._igemm
 
 
-@contextlib.contextmanager
-def on(device_type: str) -> Iterator[None]:
+def on(device_type: str) -> ContextManager[None]:
     """Within the block, explicit maps on ``device_type`` run here (``bench gpu``'s comparison)."""
-    global DEVICES
-    saved = DEVICES
-    DEVICES = saved + (device_type,)
-    try:
-        yield
-    finally:
-        DEVICES = saved
+    return switched_on(sys.modules[__name__], device_type)
 
 
 def applies(kmap: object, feats: torch.Tensor, weight: torch.Tensor) -> bool:

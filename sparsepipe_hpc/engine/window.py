@@ -22,12 +22,13 @@ Off by default (:data:`DEVICES`): written after an H100 profile put 5.5 ms of an
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+import sys
+from typing import ContextManager, Optional
 
 import torch
 
 from halo.kmap import KernelMap
+from sparsepipe_hpc.engine.base import switched_on
 from sparsepipe_hpc.engine import rows
 
 __all__ = ["DEVICES", "applies", "on", "forward", "backward"]
@@ -35,16 +36,9 @@ __all__ = ["DEVICES", "applies", "on", "forward", "backward"]
 DEVICES: tuple[str, ...] = ()  # device types whose tiling maps run here; none until measured
 
 
-@contextlib.contextmanager
-def on(device_type: str) -> Iterator[None]:
+def on(device_type: str) -> ContextManager[None]:
     """Within the block, tiling maps on ``device_type`` run here (``bench gpu``'s comparison)."""
-    global DEVICES
-    saved = DEVICES
-    DEVICES = saved + (device_type,)
-    try:
-        yield
-    finally:
-        DEVICES = saved
+    return switched_on(sys.modules[__name__], device_type)
 
 
 def applies(kmap: object, feats: torch.Tensor) -> bool:
