@@ -49,12 +49,23 @@ def _my_gpu(comm):
 
 
 @pytest.mark.parametrize("name", ["staged", "ipc", "nccl"])
-@pytest.mark.parametrize("engine", ["torch", "spconv"])
+@pytest.mark.parametrize("engine", ["torch", "spconv", "spconv_igemm"])
 def test_unet_on_cuda_equals_serial(comm, name, engine):
     """float64 with the own engine (exact to rounding); float32 with spconv's CUDA kernels
-    (implicit GEMM for the local part) to float32 tolerance."""
-    dtype = torch.float64 if engine == "torch" else torch.float32
+    (implicit GEMM for the local part) to float32 tolerance; ``spconv_igemm``: also the strided
+    layers and every halo part through implicit GEMM (engine.spconv_igemm, off by default)."""
+    import contextlib
 
+    from sparsepipe_hpc.engine import spconv_igemm
+
+    dtype = torch.float64 if engine == "torch" else torch.float32
+    switch = spconv_igemm.on("cuda") if engine == "spconv_igemm" else contextlib.nullcontext()
+    engine = "spconv" if engine == "spconv_igemm" else engine
+    with switch:
+        _unet_on_cuda_equals_serial(comm, name, engine, dtype)
+
+
+def _unet_on_cuda_equals_serial(comm, name: str, engine: str, dtype: torch.dtype) -> None:
     def close(actual, expected, **kw):
         """float64: to rounding; float32: to 2e-4 relative, and absolute 2e-5 of the tensor's
         largest value (float32 sums err with the magnitude of what they add up, so the small
