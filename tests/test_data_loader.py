@@ -191,3 +191,50 @@ def test_per_sample_generators_make_shards_match_the_whole_batch(data):
     with pytest.raises(ValueError, match="2 generators for 3 samples"):
         collate([train[i] for i in idx], VS, origin, shape, augment=True,
                 generator=whole.sample_generators(idx)[:2])
+
+
+def test_float64_coordinates_far_from_the_origin_keep_their_voxels(tmp_path):
+    """Scenes stored in float64 at a UTM-like offset (5e6 m, where a float32 step is 0.5 m) give
+    the same voxels as the same scenes at the origin: nothing is rounded to float32 before the
+    grid's origin is subtracted (write_scenes keeps float64, a sample hands it out)."""
+    from sparsepipe_hpc.data.scenes import write_scenes
+
+    rng = np.random.default_rng(0)
+    xyz = rng.uniform(0, 2, (3000, 3))
+    label = rng.integers(0, 2, 3000)
+    counts = []
+    for offset in (0.0, 5e6):
+        path = write_scenes(tmp_path / f"s{offset:.0f}.h5",
+                            [("a", xyz + [offset, offset, 0.0], None, label)], ["x", "y"])
+        ds = SceneDataset(path, None)
+        s = ds[0]
+        assert s.points.dtype == np.float64
+        origin, shape = grid_for(ds, 0.05)
+        b = collate([s], 0.05, origin, shape)
+        counts.append(b.x.num_voxels)
+    assert counts[0] == counts[1] > 1000
+
+
+@pytest.mark.parametrize("case", ["tiny voxel", "far outlier"])
+def test_grids_too_large_to_count_in_int64_are_refused_by_name(tmp_path, case):
+    """A voxel of 1e-300 m, or an outlier at 1e18 m (a fill value), needs more voxels than an
+    int64 holds: the extent is counted in floats, so the error names the span, the sample that
+    holds the extreme point and a voxel size that fits, instead of a wrapped-around grid."""
+    from sparsepipe_hpc.data.loader import GridSizeError
+    from sparsepipe_hpc.data.scenes import write_scenes
+
+    rng = np.random.default_rng(0)
+    xyz = rng.uniform(0, 2, (100, 3))
+    far = xyz.copy()
+    if case == "far outlier":
+        far[7, 0] = 1e18
+    path = write_scenes(tmp_path / "s.h5", [("a", xyz, None, np.zeros(100, int)),
+                                            ("b", far, None, np.zeros(100, int))], ["x"])
+    ds = SceneDataset(path, None)
+    voxel = 1e-300 if case == "tiny voxel" else 0.05
+    with pytest.raises(GridSizeError, match=r"voxels of .* m, but a sparse tensor holds at most "
+                                            r"65536 voxels per axis.*use voxels of at least"):
+        grid_for(ds, voxel)
+    if case == "far outlier":
+        with pytest.raises(GridSizeError, match=r"highest: x = 1e\+18 m in .*'b'"):
+            grid_for(ds, voxel)

@@ -86,9 +86,19 @@ class Batch:
                      [t.to(device) for t in self.point_labels], list(self.names))
 
 
+def _extent(lo: np.ndarray, hi: np.ndarray, voxel_size: float, multiple: int) -> np.ndarray:
+    """Voxels per axis of the padded grid holding [lo, hi], float64 [3]: counted in floats, so
+    a tiny voxel or a far outlier gives a huge number (or inf), never an int64 overflow."""
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is the answer: too many
+        n = np.floor(hi / voxel_size) - np.floor(lo / voxel_size) + 1
+    n = np.where(np.isfinite(n), n, np.inf)  # inf - inf when both ends overflow
+    return np.ceil(n / multiple) * multiple
+
+
 def _grid(lo: np.ndarray, hi: np.ndarray, voxel_size: float, multiple: int
           ) -> tuple[np.ndarray, np.ndarray]:
-    """(first voxel index, padded extent) int64 [3] of the grid holding [lo, hi]."""
+    """(first voxel index, padded extent) int64 [3] of the grid holding [lo, hi]; for extents
+    :func:`_extent` has found within MAX_EXTENT."""
     first = np.floor(lo / voxel_size).astype(np.int64)
     last = np.floor(hi / voxel_size).astype(np.int64)  # the voxel holding the highest point
     n = last - first + 1
@@ -101,7 +111,7 @@ def _smallest_voxel(lo: np.ndarray, hi: np.ndarray, multiple: int) -> float:
     """A round voxel size (3 significant digits) at which [lo, hi] fits in MAX_EXTENT voxels."""
     v = float(np.max(hi - lo)) / max(1, MAX_EXTENT - multiple - 1)
     v = float(f"{v:.2e}")
-    while (_grid(lo, hi, v, multiple)[1] > MAX_EXTENT).any():
+    while (_extent(lo, hi, v, multiple) > MAX_EXTENT).any():
         v = float(f"{v * 1.01:.2e}")
     return v
 
@@ -151,16 +161,18 @@ def grid_for(dataset: _HasBounds | Sequence[_HasBounds], voxel_size: float, mult
     sets: list[Any] = list(dataset) if isinstance(dataset, (list, tuple)) else [dataset]
     lo = np.min([np.asarray(d.bounds()[0], dtype=np.float64) for d in sets], axis=0) - margin
     hi = np.max([np.asarray(d.bounds()[1], dtype=np.float64) for d in sets], axis=0) + margin
-    first, padded = _grid(lo, hi, voxel_size, multiple)
-    if (padded > MAX_EXTENT).any():
-        axis = int(np.argmax(padded))
+    extent = _extent(lo, hi, voxel_size, multiple)
+    if not (extent <= MAX_EXTENT).all():
+        axis = int(np.argmax(extent))
         low, high = _extremes(sets, axis)
         raise GridSizeError(
             f"the points span {lo[axis] + margin:g} .. {hi[axis] - margin:g} m on {'xyz'[axis]}: "
-            f"{'x'.join(map(str, padded.tolist()))} voxels of {voxel_size:g} m, but a sparse "
+            f"{'x'.join(f'{n:.0f}' if n < 1e12 else f'{n:.3g}' for n in extent)} voxels of "
+            f"{voxel_size:g} m, but a sparse "
             f"tensor holds at most {MAX_EXTENT} voxels per axis. Lowest: {low}; highest: {high}. "
             "Remove outlying points from those samples, or use voxels of at least "
             f"{_smallest_voxel(lo, hi, multiple):g} m (trainer: --voxel-size)")
+    first, padded = _grid(lo, hi, voxel_size, multiple)
     origin = tuple(round(float(i * voxel_size), 9) for i in first)  # -1.2, not -1.2000000000000002
     return origin, tuple(int(s) for s in padded)  # type: ignore[return-value]
 

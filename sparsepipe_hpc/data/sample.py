@@ -1,7 +1,7 @@
 """Sample: one point cloud as a data set hands it out, before voxelization.
 
     s = dataset[i]
-    s.points   # float32 [P, 3], metres (ModelNet: unit-sphere coordinates)
+    s.points   # float32 [P, 3], metres (float64 where the file stores it; ModelNet: unit sphere)
     s.feats    # float32 [P, C]: rgb in [0, 1], or a column of ones when the file has no colour
     s.labels   # int64 [P] per-point class (segmentation) or None
     s.label    # int class of the whole cloud (classification) or None

@@ -27,7 +27,9 @@ Layout (HDF5, one file per split, e.g. ``train.h5``, ``val.h5``)::
 
 Scenes are ordered by name (``sorted``), so index ``i`` means the same scene on every rank. Any
 float width is accepted for ``xyz`` and any integer width for ``label``; a sample hands out float32
-and int64. There is no "ignore" label: unlabelled points must be dropped or given a class.
+(float64 where the file stores float64, so large coordinates such as UTM keep their precision
+until voxelization subtracts the grid's origin) and int64; ``write_scenes`` stores float64
+coordinates as float64. There is no "ignore" label: unlabelled points must be dropped or given a class.
 
 Validation: opening checks the attributes, every scene's datasets, shapes and dtypes and, with
 ``check="full"`` (the default), every value (finite coordinates, colours and labels in range, and
@@ -83,7 +85,8 @@ def write_scenes(path: str | Path,
         group = f.create_group("scenes")
         for name, xyz, rgb, label in scenes:
             g = group.create_group(name)
-            xyz = np.asarray(xyz, dtype=np.float32)
+            xyz = np.asarray(xyz)  # float64 stays float64: large coordinates keep their precision
+            xyz = xyz.astype(np.float64 if xyz.dtype == np.float64 else np.float32, copy=False)
             rgb = None if rgb is None else np.asarray(rgb)
             label = np.asarray(label)
             table: Optional[ChunkTable] = None
@@ -225,7 +228,8 @@ class SceneDataset:
 
     def _read_scene(self, f: h5py.File, name: str, rows: Optional[slice] = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(xyz float32 [P,3], feats float32 [P,C], labels int64 [P]) with values checked;
+        """(xyz float32 [P,3] (float64 where stored so), feats float32 [P,C], labels int64 [P])
+        with values checked;
         ``rows``: only points ``[start, stop)`` (an HDF5 hyperslab; messages name the range; the
         first NaN's index counts from the dataset's start, a range error's from ``start``)."""
         p = self.path
@@ -254,7 +258,10 @@ class SceneDataset:
                 feats = rgb.astype(np.float32)
         else:
             feats = np.ones((len(xyz), 1), dtype=np.float32)
-        return xyz.astype(np.float32, copy=False), feats, label.astype(np.int64)
+        # float64 stays float64: at UTM-like coordinates (5e6 m) a float32 step is 0.5 m, coarser
+        # than any voxel; voxelization subtracts the grid's origin in float64.
+        xyz = xyz if xyz.dtype == np.float64 else xyz.astype(np.float32, copy=False)
+        return xyz, feats, label.astype(np.int64)
 
     def _check_in_bounds(self, name: str, xyz: np.ndarray) -> None:
         """Stale bounds attributes give a grid that misses these points: refuse them by name."""
