@@ -159,6 +159,20 @@ def test_resume_explicit_path_and_mismatch(data, tmp_path):
     assert res["step"] == 1
 
 
+def test_resume_on_other_training_data_is_refused(data, tmp_path):
+    """A resume continues the same run: the checkpoint records its training data (sample count,
+    files and sizes, points per sample) and another data set of the same classes is refused by
+    name, where it would have continued with another epoch length and data order."""
+    train(tiny(data, tmp_path / "a", "--steps", "2"))
+    other = generate_scenes(tmp_path / "other", train=9, val=2, seed=3, objects=(2, 4),
+                            points=(1500, 2500))
+    cfg = tiny({"seg": other}, tmp_path / "b", "--steps", "3", "--resume",
+               str(tmp_path / "a" / "last.pt"))
+    with pytest.raises(SetupError, match=r"written for other training data \(.*samples 8 -> 9.*"
+                                         r"pass its --data, or start a new run"):
+        Trainer(cfg, MPI.COMM_SELF, log=None)
+
+
 def test_atomic_save_leaves_no_partial_file(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
     ck.atomic_save({"format": ck.FORMAT, "version": ck.VERSION, "step": 1}, path)

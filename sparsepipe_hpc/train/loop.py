@@ -124,8 +124,10 @@ class Trainer:
         data_dir = Path(cfg.data) if cfg.data else default_data(cfg.task, comm=comm)
         self.data_dir = data_dir
         self.train_set, self.val_set = agree(comm, lambda: self._open_data(data_dir))
-        check_same(comm, "data", {split: data_fingerprint(ds) for split, ds in
-                                  (("train", self.train_set), ("val", self.val_set))})
+        # What identifies the data: the same on every rank, and (train) a resume's too.
+        self.data_ids = {split: data_fingerprint(ds) for split, ds in
+                         (("train", self.train_set), ("val", self.val_set))}
+        check_same(comm, "data", self.data_ids)
         self.num_classes = self.train_set.num_classes
 
         # The same seed on every rank; rank 0's initial weights are broadcast regardless.
@@ -225,7 +227,7 @@ class Trainer:
         at = resume.load_state(path, self._train_state(), cfg=self.cfg, out=self.out,
                                comm=self.comm, layout=self.layout,
                                stage=self.pipe.stage if self.pipe is not None else None,
-                               device=self.device, say=self._say)
+                               device=self.device, data=self.data_ids["train"], say=self._say)
         self.step, self.epoch, self._on_disk = at.step, at.epoch, at.on_disk
 
     def _train_state(self) -> resume.TrainState:
@@ -345,7 +347,8 @@ class Trainer:
                 path, self._train_state(), rng=states, stage_optimizers=stage_optimizers,
                 step=self.step, epoch=self.epoch, total_steps=self.total_steps,
                 config=self.cfg.to_dict(), layout=self.layout,
-                versions=run_files.versions(self.comm), on_disk=self._on_disk if last else None)
+                versions=run_files.versions(self.comm), data=self.data_ids["train"],
+                on_disk=self._on_disk if last else None)
             if last:
                 self._on_disk = digest
             self.metrics.sync()

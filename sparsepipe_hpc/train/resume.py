@@ -106,18 +106,19 @@ def _on_host(obj: Any) -> Any:
 def write_checkpoint(path: Path, state: TrainState, *, rng: list[Any],
                      stage_optimizers: Optional[list[Any]], step: int, epoch: int,
                      total_steps: int, config: dict[str, Any], layout: RankLayout,
-                     versions: dict[str, str],
+                     versions: dict[str, str], data: dict[str, Any],
                      on_disk: Optional[ckpt_io.FileDigest]) -> ckpt_io.FileDigest:
     """Rank 0: write the checkpoint of ``state`` at ``step`` to ``path`` with its manifest
     (:func:`sparsepipe_hpc.train.checkpoint.save_checkpoint`; ``on_disk``: the digest of the
     file now at ``path`` when known). ``rng``: every rank's RNG state, in rank order;
-    ``config``: ``TrainConfig.to_dict()``. Returns the new file's digest."""
+    ``config``: ``TrainConfig.to_dict()``; ``data``: the training split's
+    :func:`~sparsepipe_hpc.train.agreement.data_fingerprint`. Returns the new file's digest."""
     record = layout_record(layout)
     saved = {
         "format": ckpt_io.FORMAT, "version": ckpt_io.VERSION, "step": step, "epoch": epoch,
         "model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
         "scheduler": state.scheduler.state_dict(), "loader": state.batches.state_dict(),
-        "rng": rng, "config": config, "layout": record, "versions": versions}
+        "rng": rng, "config": config, "layout": record, "versions": versions, "data": data}
     if stage_optimizers is not None:
         saved["optimizer_stages"] = stage_optimizers
     if state.precision.scaler is not None:  # fp16: the loss scale continues
@@ -130,13 +131,23 @@ def write_checkpoint(path: Path, state: TrainState, *, rng: list[Any],
 
 def load_state(path: Path, state: TrainState, *, cfg: TrainConfig, out: Path, comm: Any,
                layout: RankLayout, stage: Optional[int], device: torch.device,
-               say: Callable[[str], None]) -> Resumed:
+               data: dict[str, Any], say: Callable[[str], None]) -> Resumed:
     """Load the checkpoint at ``path`` into ``state`` and this rank's RNG; ``stage``: this rank's
     pipeline stage (None unpipelined). Raises CheckpointError when the file is missing, corrupt
-    or does not fit this run (another model, another number of stages); ``say``: the notes
-    (no manifest, another schedule, another layout). Run under :func:`agree`."""
+    or does not fit this run (another model, another number of stages, other training data than
+    ``data``, the training split's fingerprint, where the checkpoint records it); ``say``: the
+    notes (no manifest, another schedule, another layout). Run under :func:`agree`."""
     ckpt = ckpt_io.load_checkpoint(path)
     ckpt_io.check_compatible(ckpt, cfg.to_dict(), path)
+    saved_data = ckpt.get("data")  # (checkpoints before this record carry none)
+    if saved_data is not None and saved_data != data:
+        diff = "; ".join(f"{k} {saved_data.get(k)!r} -> {data.get(k)!r}"
+                         for k in sorted(set(saved_data) | set(data))
+                         if saved_data.get(k) != data.get(k))
+        raise ckpt_io.CheckpointError(
+            f"--resume {path}: the checkpoint was written for other training data ({diff}); "
+            f"a resume continues the same run: pass its --data, or start a new run without "
+            f"--resume")
     on_disk: Optional[ckpt_io.FileDigest] = None
     if ckpt.get("manifest") is None:
         say(f"note: {path} has no manifest ({ckpt_io.manifest_path(path).name}): "
