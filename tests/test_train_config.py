@@ -80,6 +80,8 @@ def test_bad_config_file(tmp_path, text, match):
     (["--task", "detect"], "argument --task: invalid choice: 'detect'"),
     (["--batch-size", "0"], "argument --batch-size: must be >= 1; got 0"),
     (["--voxel-size", "-1"], "argument --voxel-size: must be a finite number > 0; got -1"),
+    (["--seed", "-1"], r"argument --seed: must be in \[0, 2\*\*63\); got -1"),
+    (["--seed", str(10**20)], r"argument --seed: must be in \[0, 2\*\*63\); got 1000"),
     (["--grid", "2,2"], "grid must be three positive integers"),
     (["--model", "unet", "--task", "cls"], "--model unet is a seg model but --task is cls; "
                                            "pass --model resnet"),

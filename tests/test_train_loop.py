@@ -489,3 +489,26 @@ def test_cli_outlier_exits_2_before_training(data, tmp_path):
     assert err.startswith("sparsepipe_hpc.train: error: the points span") and "Traceback" not in err
     assert "room_0001" in err and "--voxel-size" in err
     assert not (tmp_path / "o" / "metrics.jsonl").exists()  # refused before step 1
+
+
+def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(data, tmp_path):
+    """--depth 12 doubles the channels twelve times (110 GiB of weights): the trainer measures
+    the model on the meta device first and stops with the sizes, where it used to be killed by
+    the kernel while building it; a model that fits is not affected."""
+    from sparsepipe_hpc.nn import build_model
+    from sparsepipe_hpc.train.agreement import check_model_fits, free_memory
+
+    cfg = tiny(data, tmp_path / "a", "--depth", "12")
+    with torch.device("meta"):
+        probe = build_model("unet", 3, 5, width=4, depth=12)
+    with pytest.raises(SetupError, match=r"--depth 12 has [\d,]+ parameters: .* GiB of float32 "
+                                         r"weights alone .* use a smaller --width or --depth"):
+        check_model_fits(probe, cfg, 2**30)
+    check_model_fits(probe, cfg, None)  # unknown free memory: no verdict
+    with torch.device("meta"):
+        small = build_model("unet", 3, 5, width=4, depth=2)
+    check_model_fits(small, cfg, 2**30)
+    assert free_memory(torch.device("cpu")) is None or free_memory(torch.device("cpu")) > 0
+    # Depth 14: 1.7 TiB of weights, more than any machine here (GPU or host) has free.
+    with pytest.raises(SetupError, match="--depth 14 has"):
+        Trainer(tiny(data, tmp_path / "b", "--depth", "14"), MPI.COMM_SELF, log=None)

@@ -23,7 +23,8 @@ import numpy as np
 from sparsepipe_hpc.parallel.failures import run_on_all
 from sparsepipe_hpc.train.config import TrainConfig
 
-__all__ = ["SetupError", "agree", "check_same", "data_fingerprint", "check_grid_fits"]
+__all__ = ["SetupError", "agree", "check_same", "data_fingerprint", "check_grid_fits",
+           "check_model_fits", "free_memory"]
 
 
 class SetupError(ValueError):
@@ -112,3 +113,37 @@ def check_grid_fits(grid: Sequence[int], shape: Sequence[int], stride: int,
                 f"block(s) of the model's total stride {stride} (--depth {cfg.depth}), and every "
                 f"box needs at least one; use at most {blocks} rank(s) along {name} in --grid, a "
                 f"smaller --voxel-size or a smaller --depth")
+
+
+def check_model_fits(probe: Any, cfg: TrainConfig, available: int | None) -> None:
+    """SetupError when the weights of ``probe`` (the model built on the ``meta`` device: shapes,
+    no memory) alone take more than ``available`` bytes (this machine's free memory; None:
+    unknown, no check), before the real model is built: a --width or --depth too large for
+    the machine then ends with a message, not the kernel's out-of-memory kill. Run under
+    :func:`agree` (free memory differs between nodes)."""
+    params = sum(p.numel() for p in probe.parameters())
+    weights = 4 * params  # float32 master weights; gradients and optimizer state come on top
+    if available is not None and weights > available:
+        raise SetupError(
+            f"--model {cfg.model} --width {cfg.width} --depth {cfg.depth} has {params:,} "
+            f"parameters: {weights / 2**30:.1f} GiB of float32 weights alone (gradients and "
+            f"{cfg.optimizer}'s state add as much again, or twice), but this machine has "
+            f"{available / 2**30:.1f} GiB free; use a smaller --width or --depth (channels "
+            f"double at every level)")
+
+
+def free_memory(device: Any) -> int | None:
+    """Bytes free for tensors on ``device``: the GPU's free memory, or the host's MemAvailable
+    (Linux); None where neither can be read."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

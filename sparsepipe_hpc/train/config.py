@@ -138,6 +138,13 @@ def _nonneg_int(text: str) -> int:
     return v
 
 
+def _seed(text: str) -> int:
+    v = int(text)
+    if not 0 <= v < 2**63:  # numpy's generators take no negative seed, torch none past 64 bits
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63); got {v}")
+    return v
+
+
 def _positive_float(text: str) -> float:
     v = float(text)
     if not v > 0 or v != v or v == float("inf"):
@@ -161,7 +168,7 @@ def _grid(text: str) -> tuple[int, int, int]:
 
 
 # Give argparse's messages readable type names ("invalid positive int value").
-for _f, _n in ((_positive_int, "positive int"), (_nonneg_int, "non-negative int"),
+for _f, _n in ((_positive_int, "positive int"), (_nonneg_int, "non-negative int"), (_seed, "seed"),
                (_positive_float, "positive float"), (_nonneg_float, "non-negative float"),
                (_grid, "grid")):
     _f.__name__ = _n
@@ -220,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "--warmup) taken from the current options, also on --resume: a longer run "
                    "continues on the cosine of its new total")
     g.add_argument("--warmup", type=_nonneg_int, help="linear warm-up steps (default 0)")
-    g.add_argument("--seed", type=int, help="seeds model init, data order and augmentation "
+    g.add_argument("--seed", type=_seed, help="seeds model init, data order and augmentation "
                    "(default 0)")
     g = p.add_argument_group("output and checkpoints")
     g.add_argument("--out", metavar="DIR", help="run directory (default runs/<task>-<timestamp>)")

@@ -53,7 +53,8 @@ from sparsepipe_hpc.parallel.gradients import GradientReducer
 from sparsepipe_hpc.pipeline.runner import Pipeline
 from sparsepipe_hpc.train import checkpoint as ckpt_io
 from sparsepipe_hpc.train import resume, run_files
-from sparsepipe_hpc.train.agreement import (SetupError, agree, check_grid_fits, check_same,
+from sparsepipe_hpc.train.agreement import (SetupError, agree, check_grid_fits,
+                                            check_model_fits, check_same, free_memory,
                                             data_fingerprint)
 from sparsepipe_hpc.parallel.input import LocalBatch, read_distributed
 from sparsepipe_hpc.data.prefetch import Prefetcher
@@ -130,12 +131,18 @@ class Trainer:
         check_same(comm, "data", self.data_ids)
         self.num_classes = self.train_set.num_classes
 
+        def model() -> Any:
+            return build_model(cfg.model, self.train_set.in_channels, self.num_classes,
+                               width=cfg.width, depth=cfg.depth, engine=cfg.engine)
+
+        with torch.device("meta"):  # shapes only: is there room for the weights at all?
+            probe = model()
+        agree(comm, lambda: check_model_fits(probe, cfg, free_memory(self.device)))
         # The same seed on every rank; rank 0's initial weights are broadcast regardless.
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
         random.seed(cfg.seed)
-        self.model = build_model(cfg.model, self.train_set.in_channels, self.num_classes,
-                                 width=cfg.width, depth=cfg.depth, engine=cfg.engine)
+        self.model = model()
         self.ctx.broadcast_parameters(self.model)
         self.model.to(self.device)  # before the optimizer is built on its parameters
         self.stride = self.model.total_stride
