@@ -244,13 +244,14 @@ def test_sparse_tensor_to_another_device_leaves_its_kernel_maps_behind(gen):
 
 
 def test_batchnorm_of_fewer_than_two_voxels_is_an_error_naming_the_count():
-    from sparsepipe_hpc.nn.functional import batch_norm
+    from sparsepipe_hpc.nn.functional import BatchNormError, batch_norm
 
     c = 3
     args = (torch.ones(c), torch.zeros(c), torch.zeros(c), torch.ones(c), True, 0.1, 1e-5)
     for n in (0, 1):
-        with pytest.raises(ValueError, match=f"BatchNorm needs at least 2 voxels over the group; "
-                                             f"got {n}"):
+        with pytest.raises(BatchNormError, match=f"BatchNorm in training needs at least 2 voxels "
+                                                 f"over its group to take batch statistics; "
+                                                 f"got {n}"):
             batch_norm(torch.randn(n, c), *args)
     assert batch_norm(torch.randn(2, c), *args).shape == (2, c)
 

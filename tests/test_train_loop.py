@@ -512,3 +512,23 @@ def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(data, t
     # Depth 14: 1.7 TiB of weights, more than any machine here (GPU or host) has free.
     with pytest.raises(SetupError, match="--depth 14 has"):
         Trainer(tiny(data, tmp_path / "b", "--depth", "14"), MPI.COMM_SELF, log=None)
+
+
+def test_a_batch_too_small_for_batchnorm_is_a_setup_error_naming_the_fix(tmp_path):
+    """A one-point scene at --batch-size 1 gives BatchNorm one voxel: every rank shares the
+    statistics, so the trainer reports it (the step, the samples, what to change) as a user
+    error, not a traceback."""
+    from sparsepipe_hpc.data.scenes import write_scenes
+
+    rng = np.random.default_rng(0)
+    scenes = [(f"s{i}", rng.uniform(0, 2, (1, 3)), None, np.zeros(1, int)) for i in range(2)]
+    root = tmp_path / "one"
+    root.mkdir()
+    write_scenes(root / "train.h5", scenes, ["a", "b"])
+    write_scenes(root / "val.h5", scenes, ["a", "b"])
+    cfg = parse_config(["--data", str(root), "--out", str(tmp_path / "run"), "--width", "4",
+                        "--depth", "2", "--batch-size", "1", "--steps", "1", "--no-progress"])
+    with pytest.raises(SetupError, match=r"^step 1: BatchNorm in training needs at least 2 "
+                                         r"voxels .* got 1 .*training split indices \[\d\]\) are "
+                                         r"too small .* use a larger --batch-size"):
+        Trainer(cfg, MPI.COMM_SELF, log=None).run()

@@ -24,7 +24,8 @@ from halo.transport.collectives import group_size
 from sparsepipe_hpc.engine.base import Engine
 from sparsepipe_hpc.nn.amp import LOW_PRECISION, autocast_inputs
 
-__all__ = ["sparse_conv", "batch_norm", "update_running_stats", "global_pool", "allreduce_"]
+__all__ = ["sparse_conv", "batch_norm", "BatchNormError", "update_running_stats", "global_pool",
+           "allreduce_"]
 
 
 class _SparseConv(torch.autograd.Function):
@@ -138,9 +139,16 @@ def _moments(stats: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, (stats[c:2 * c] / n - mean * mean).clamp_(min=0)
 
 
+class BatchNormError(ValueError):
+    """BatchNorm in training given fewer than 2 voxels over its group (no spread to normalize
+    by); raised on every rank of the group alike, since the count is the group's."""
+
+
 def _check_count(n: float) -> None:
     if n < 2:
-        raise ValueError(f"BatchNorm needs at least 2 voxels over the group; got {int(n)}")
+        raise BatchNormError(f"BatchNorm in training needs at least 2 voxels over its group to "
+                             f"take batch statistics; got {int(n)} (the batch is that small at "
+                             f"this layer's resolution)")
 
 
 def update_running_stats(stats: torch.Tensor, running_mean: torch.Tensor,

@@ -47,6 +47,7 @@ from sparsepipe_hpc.data import (ModelNetDataset, SceneDataset, ShardedBatches, 
                                  collate, default_data, grid_for)
 from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.nn import build_model
+from sparsepipe_hpc.nn.functional import BatchNormError
 from halo.transport.collectives import allreduce_
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.gradients import GradientReducer
@@ -303,16 +304,25 @@ class Trainer:
         """Forward, backward, gradient all-reduce and update; returns (my loss share, my voxels)."""
         self.model.train()
         batch = self._train_batch(indices, epoch)
-        if self.pipe is not None:
-            share, n_local = pipeline_step(
-                self.pipe, self.ctx, batch, seg=self.seg, stride=self.stride,
-                batch_size=self.cfg.batch_size, optimizer=self.optimizer, reducer=self.reducer,
-                params=self.train_params, precision=self.precision)
-        else:
-            share, n_local = plain_step(
-                self._forward, batch, ctx=self.ctx, seg=self.seg, batch_size=self.cfg.batch_size,
-                model=self.model, optimizer=self.optimizer, reducer=self.reducer,
-                precision=self.precision)
+        try:
+            if self.pipe is not None:
+                share, n_local = pipeline_step(
+                    self.pipe, self.ctx, batch, seg=self.seg, stride=self.stride,
+                    batch_size=self.cfg.batch_size, optimizer=self.optimizer,
+                    reducer=self.reducer, params=self.train_params, precision=self.precision)
+            else:
+                share, n_local = plain_step(
+                    self._forward, batch, ctx=self.ctx, seg=self.seg,
+                    batch_size=self.cfg.batch_size, model=self.model, optimizer=self.optimizer,
+                    reducer=self.reducer, precision=self.precision)
+        except BatchNormError as e:
+            if self.layout.stages > 1:  # one stage's ranks alone: the abort hook ends the job
+                raise
+            # Every rank shares the statistics, so every rank raises this, together.
+            raise SetupError(f"step {self.step + 1}: {e}; its samples (training split indices "
+                             f"{sorted(int(i) for i in indices)}) are too small for this model: "
+                             f"use a larger --batch-size, a smaller --voxel-size or a smaller "
+                             f"--depth, or remove such samples") from None
         self.scheduler.step()
         return share, n_local
 

@@ -458,7 +458,8 @@ def test_batchnorm_counts_voxels_over_the_group_on_every_rank(comm):
     c = 3
     args = (torch.ones(c), torch.zeros(c), torch.zeros(c), torch.ones(c), True, 0.1, 1e-5)
     x = torch.randn(1 if comm.rank == 0 else 0, c, dtype=torch.float64)
-    with pytest.raises(ValueError, match="BatchNorm needs at least 2 voxels over the group; got 1"):
+    with pytest.raises(ValueError, match="BatchNorm in training needs at least 2 voxels over its "
+                                         "group to take batch statistics; got 1"):
         batch_norm(x, *args, comm=comm)
     if comm.size > 1:
         assert batch_norm(torch.randn(1, c), *args, comm=comm).shape == (1, c)
