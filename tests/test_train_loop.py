@@ -532,3 +532,8 @@ def test_a_batch_too_small_for_batchnorm_is_a_setup_error_naming_the_fix(tmp_pat
                                          r"voxels .* got 1 .*training split indices \[\d\]\) are "
                                          r"too small .* use a larger --batch-size"):
         Trainer(cfg, MPI.COMM_SELF, log=None).run()
+    fewer = parse_config(["--data", str(root), "--out", str(tmp_path / "run2"), "--width", "4",
+                          "--depth", "2", "--batch-size", "3", "--steps", "1", "--no-progress"])
+    with pytest.raises(SetupError, match=r"the training split .*train.h5.* has 2 sample\(s\), "
+                                         r"fewer than one global batch \(--batch-size 3\)"):
+        Trainer(fewer, MPI.COMM_SELF, log=None)

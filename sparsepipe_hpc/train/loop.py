@@ -179,6 +179,11 @@ class Trainer:
                 params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
         else:
             self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if len(self.train_set) < cfg.batch_size:  # (ShardedBatches would say it without names)
+            raise SetupError(f"the training split {self.train_set!r} has {len(self.train_set)} "
+                             f"sample(s), fewer than one global batch (--batch-size "
+                             f"{cfg.batch_size}): no step could run; pass --batch-size <= "
+                             f"{len(self.train_set)} or add samples")
         self.batches = agree(comm, lambda: ShardedBatches(
             len(self.train_set), cfg.batch_size, replicas=self.ctx.num_replicas,
             rank=self.ctx.replica, seed=cfg.seed))
