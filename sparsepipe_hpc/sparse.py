@@ -87,18 +87,33 @@ class SparseTensor:
         return replace(self, coords=self.coords.to(device, non_blocking=non_blocking),
                        feats=self.feats.to(device, non_blocking=non_blocking), kmaps={})
 
-    def validate_bounds(self, name: str = "input") -> None:
-        """Raise if any coordinate lies outside [0, spatial_shape) or batch outside [0, batch_size)."""
+    def validate(self, name: str = "input") -> None:
+        """Raise SparseTensorError unless every coordinate lies in [0, spatial_shape), every batch
+        index in [0, batch_size), and no two rows share a voxel (the contract above; the layers
+        check a tensor once, when it first meets one: a duplicate or stray row would otherwise
+        be summed or dropped without a word). One sort and one read back."""
         if self.num_voxels == 0:
             return
+        from halo.kmap import coord_keys
+
         lo, hi = torch.aminmax(self.coords, dim=0)
-        lo, hi = torch.stack([lo, hi]).tolist()  # one read back, not two (each a device sync)
+        keys = torch.sort(coord_keys(self.coords)).values
+        dups = (keys[1:] == keys[:-1]).sum().reshape(1).to(lo.dtype)
+        found = torch.cat([lo, hi, dups]).tolist()  # one read back (each is a device sync)
+        lo_, hi_, n_dup = found[:4], found[4:8], found[8]
         limits = [self.batch_size, *self.spatial_shape]
-        for axis, (a, b, n) in enumerate(zip(lo, hi, limits)):
+        for axis, (a, b, n) in enumerate(zip(lo_, hi_, limits)):
             if a < 0 or b >= n:
                 label = ("batch", "x", "y", "z")[axis]
                 raise SparseTensorError(
                     f"{name}: coordinate {label} spans [{a}, {b}] but must lie in [0, {n - 1}]")
+        if n_dup:  # (the error path only: find one repeated voxel's rows)
+            repeated = keys[1:][keys[1:] == keys[:-1]][0]
+            rows = (coord_keys(self.coords) == repeated).nonzero()[:, 0].tolist()
+            raise SparseTensorError(
+                f"{name}: {n_dup} row(s) repeat a voxel (rows {rows[:4]} are all "
+                f"{self.coords[rows[0]].tolist()}); rows must be unique: merge them first "
+                f"(sparsepipe_hpc.voxelize averages a voxel's points)")
 
     # --- spconv interop -------------------------------------------------------------------------
     def to_spconv(self):  # -> spconv.pytorch.SparseConvTensor

@@ -60,7 +60,7 @@ def test_collate_segmentation_shapes(data):
     assert b.offsets.tolist()[0] == 0 and b.offsets.tolist()[-1] == n and len(b.offsets) == 4
     assert b.x.spatial_shape == tuple(shape) and b.batch_size == 3
     assert b.names == [s.name for s in samples]
-    b.x.validate_bounds()
+    b.x.validate()
     for k, s in enumerate(samples):
         rows = slice(int(b.offsets[k]), int(b.offsets[k + 1]))
         assert (b.x.coords[rows, 0] == k).all()
@@ -161,7 +161,7 @@ def test_augmented_rooms_stay_in_the_grid(data):
     g = torch.Generator().manual_seed(0)
     for _ in range(4):
         b = collate([train[0], train[1]], 0.05, origin, shape, augment=True, generator=g)
-        b.x.validate_bounds()
+        b.x.validate()
         assert all(bool((p >= 0).all()) for p in b.point_to_voxel)  # no point dropped
 
 

@@ -166,4 +166,4 @@ def test_augmented_points_on_the_data_edge_stay_on_the_grid():
         b = collate([s], 0.1, origin, shape, augment=True,
                     generator=torch.Generator().manual_seed(seed))
         assert (b.point_to_voxel[0] >= 0).all(), seed
-        b.x.validate_bounds()
+        b.x.validate()

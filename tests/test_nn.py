@@ -195,6 +195,27 @@ def test_conv_errors_name_the_problem(gen):
         SparseInverseConv3d(4, 4, 2, indice_key="nowhere")(x)
 
 
+def test_a_layer_refuses_an_input_that_breaks_the_tensor_contract():
+    """Repeated voxels (summed twice by a submanifold layer) and coordinates outside the grid or
+    the batch (dropped by a strided one) were taken without a word: the first layer a tensor
+    meets checks it, naming the rows."""
+    from sparsepipe_hpc.sparse import SparseTensor, SparseTensorError
+
+    c = torch.tensor([[0, 1, 1, 1], [0, 2, 2, 2], [0, 1, 1, 1]], dtype=torch.int32)
+    x = SparseTensor(c, torch.ones(3, 2), (4, 4, 4), 1)
+    with pytest.raises(SparseTensorError, match=r"SubMConv3d input: 1 row\(s\) repeat a voxel "
+                                                r"\(rows \[0, 2\] are all \[0, 1, 1, 1\]\)"):
+        SubMConv3d(2, 3)(x)
+    for bad, rule in (([0, 9, 1, 1], r"coordinate x spans \[1, 9\] but must lie in \[0, 3\]"),
+                      ([1, 1, 1, 1], r"coordinate batch spans \[0, 1\] but must lie in \[0, 0\]"),
+                      ([0, -1, 1, 1], r"coordinate x spans \[-1, 2\]")):
+        c2 = torch.tensor([[0, 1, 1, 1], [0, 2, 2, 2], bad], dtype=torch.int32)
+        with pytest.raises(SparseTensorError, match=rule):
+            SparseConv3d(2, 3, 2, 2)(SparseTensor(c2, torch.ones(3, 2), (4, 4, 4), 1))
+    ok = SparseTensor(c[:2], torch.ones(2, 2), (4, 4, 4), 1)
+    assert SubMConv3d(2, 3)(ok).feats.shape == (2, 3)
+
+
 def test_maps_do_not_cross_between_serial_and_distributed_tensors(gen):
     """A kernel map cached by a single-process layer has no split maps, and a distributed one
     no serial use: a tensor that shares another's ``kmaps`` across that line is refused."""
@@ -230,7 +251,7 @@ def test_sparse_tensor_contract_errors():
     with pytest.raises(SparseTensorError, match="at most"):
         SparseTensor(c, f, (1 << 17, 4, 4), 1)
     with pytest.raises(SparseTensorError, match=r"coordinate z spans \[3, 3\] but must lie in \[0, 2\]"):
-        SparseTensor(c, f, (4, 4, 3), 1).validate_bounds()
+        SparseTensor(c, f, (4, 4, 3), 1).validate()
 
 
 def test_sparse_tensor_to_another_device_leaves_its_kernel_maps_behind(gen):

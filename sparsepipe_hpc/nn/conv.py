@@ -76,6 +76,10 @@ class _SparseConvBase(nn.Module):
             raise ConvError(f"{type(self).__name__} expects {self.in_channels} input channels; "
                             f"got a tensor with {x.num_channels}")
         spatial = x.context.spatial if x.context is not None else None
+        if spatial is None and not x.kmaps:
+            # A tensor no layer has met yet (derived ones share its kmaps): check its contract
+            # once. (A distributed one was checked whole, on every rank, when it was cut.)
+            x.validate(f"{type(self).__name__} input")
         engine = get_engine(self.engine_name, x.feats.device)
         entry = self.entry(x)
         if spatial is not None:

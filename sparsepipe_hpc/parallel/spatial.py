@@ -138,7 +138,7 @@ class SpatialGroup:
         ``cuts``: explicit positions (level-0 voxels) instead of balanced or uniform ones; they
         must span the batch's extent on this group's grid (CutError otherwise, on every rank).
         """
-        x.validate_bounds("batch")  # the same batch on every rank: all raise alike, none waits
+        x.validate("batch")  # the same batch on every rank: all raise alike, none waits
         extent = [n * x.stride for n in x.spatial_shape]
         if cuts is not None:
             if cuts.dims != self.grid.dims or list(cuts.extent) != extent:
