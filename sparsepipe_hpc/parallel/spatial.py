@@ -39,13 +39,14 @@ import torch
 from halo.cuts import Cuts, CutError, balanced_cuts, uniform_cuts
 from halo.exchange import HaloExchange
 from halo.grid import ProcessGrid
-from halo.kmap import KernelMap, kernel_map, strided_map
+from halo.kmap import KernelMap, coord_keys, kernel_map, strided_map
 from halo.plan import build_plan, halo_radius
 from halo.transport.base import Transport
 from halo.transport.mpi import MPITransport
 from sparsepipe_hpc.engine.base import Engine
 from sparsepipe_hpc.kmaps import ConvEntry, ConvError, ConvSpec, cached_entry
-from sparsepipe_hpc.sparse import SparseTensor
+from sparsepipe_hpc.parallel.failures import run_on_all
+from sparsepipe_hpc.sparse import SparseTensor, SparseTensorError
 from sparsepipe_hpc.tracing import span
 
 __all__ = ["SpatialGroup", "SpatialDomain"]
@@ -138,25 +139,39 @@ class SpatialGroup:
         ``cuts``: explicit positions (level-0 voxels) instead of balanced or uniform ones; they
         must span the batch's extent on this group's grid (CutError otherwise, on every rank).
         """
-        x.validate("batch")  # the same batch on every rank: all raise alike, none waits
         extent = [n * x.stride for n in x.spatial_shape]
-        if cuts is not None:
-            if cuts.dims != self.grid.dims or list(cuts.extent) != extent:
+
+        def check() -> tuple:
+            x.validate("batch")
+            if cuts is not None and (cuts.dims != self.grid.dims or list(cuts.extent) != extent):
                 raise CutError(f"explicit cuts {cuts} are for a grid {cuts.dims} over extent "
                                f"{cuts.extent}; this group's grid is {self.grid.dims} and the "
                                f"batch's extent {tuple(extent)} (level-0 voxels)")
-            # Ranks cutting differently would exchange the wrong voxels: agree (one allgather).
-            seen = self.grid.comm.allgather(repr(cuts))
-            if len(set(seen)) > 1:
-                raise CutError(f"explicit cuts differ between the ranks of the spatial group: "
-                               f"{', '.join(f'rank {r}: {c}' for r, c in enumerate(seen))}")
-        elif balanced:
+            return (x.num_voxels, int(coord_keys(x.coords).sum()), tuple(x.spatial_shape),
+                    x.batch_size, x.stride, align, balanced, repr(cuts))
+
+        # Collective from here on: the ranks agree first (two small allgathers) that each holds
+        # the same valid batch and options, so a rank that differs stops them all, by name.
+        outcome = run_on_all(self.grid.comm, check)
+        if outcome.failures:
+            rank, kind, msg = outcome.failures[0]
+            error = SparseTensorError if kind == "SparseTensorError" else CutError
+            raise error(f"{msg} (rank {rank} of the spatial group)")
+        seen = self.grid.comm.allgather(outcome.value)
+        if len(set(seen)) > 1:
+            fields = ("voxels", "coordinate checksum", "spatial_shape", "batch_size", "stride",
+                      "align", "balanced", "cuts")
+            differ = [f"{name}: " + ", ".join(f"rank {r} {v[i]}" for r, v in enumerate(seen))
+                      for i, name in enumerate(fields) if len({v[i] for v in seen}) > 1]
+            raise CutError(f"the ranks of the spatial group must decompose the same batch with "
+                           f"the same options; they differ in {'; '.join(differ)}")
+        if cuts is None and balanced:
             # Every rank holds the whole batch: let one rank contribute so each voxel counts once.
             xyz = x.coords[:, 1:] * x.stride
             if self.grid.comm.Get_rank() != 0:
                 xyz = xyz[:0]
             cuts = balanced_cuts(self.grid.comm, xyz, extent, self.grid.dims, align=align)
-        else:
+        elif cuts is None:
             cuts = uniform_cuts(extent, self.grid.dims, align=align)
         return SpatialDomain(self, cuts)
 

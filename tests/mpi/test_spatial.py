@@ -449,6 +449,35 @@ def test_bad_input_raises_on_every_rank(comm):
         SubMConv3d(3, 2, 5).double()(xl)
 
 
+def test_a_rank_that_cuts_another_batch_or_with_other_options_stops_every_rank(comm):
+    """distribute/decompose is collective: a rank whose batch breaks the contract (here a
+    repeated voxel), differs (a voxel less), or whose options differ (align, cuts mode) made its
+    peers hang or cut wrongly; now every rank raises, naming the rank and what differs."""
+    from halo.cuts import CutError
+    from sparsepipe_hpc.sparse import SparseTensorError
+
+    if comm.size < 2:
+        pytest.skip("needs a peer")
+    layout = RankLayout(1, 1, (comm.size, 1, 1))
+    x = make_cloud(1, "random", shape=(16, 16, 16))
+    with ParallelContext(comm, layout) as ctx:
+        dup = x.replace(coords=torch.cat([x.coords, x.coords[:1]]),
+                        feats=torch.cat([x.feats, x.feats[:1]]))
+        with pytest.raises(SparseTensorError, match=r"repeat a voxel .* \(rank 1 of the spatial "
+                                                    r"group\)"):
+            ctx.distribute(dup if comm.rank == 1 else x)
+        less = x.replace(coords=x.coords[1:], feats=x.feats[1:])
+        with pytest.raises(CutError, match=r"must decompose the same batch .* differ in voxels: "
+                                           r"rank 0 \d+, rank 1 \d+"):
+            ctx.distribute(less if comm.rank == 1 else x)
+        with pytest.raises(CutError, match=r"differ in align: rank 0 2, rank 1 4"):
+            ctx.distribute(x, align=4 if comm.rank == 1 else 2)
+        ctx.distribute(x, align=2)  # and the group goes on
+    with ParallelContext(comm, layout, cuts="uniform" if comm.rank == 1 else "balanced") as ctx:
+        with pytest.raises(CutError, match=r"differ in balanced: rank 0 True, rank 1 False"):
+            ctx.distribute(x)
+
+
 def test_batchnorm_counts_voxels_over_the_group_on_every_rank(comm):
     """One voxel on rank 0 and none elsewhere: fewer than 2 over the group, the same error on
     every rank; one voxel on every rank of 2+, or 3 on rank 0 alone (which then does not read the
