@@ -57,6 +57,16 @@ class ParallelContext:
     def __init__(self, comm: Any, layout: RankLayout, cuts: str = "balanced",
                  overlap: bool = True, transport: Any = None, force_spatial: bool = False,
                  reducer: Optional[Callable[[Any], Optional[Reducer]]] = None):
+        # Collective: the ranks agree on the layout and options first (one allgather), so a
+        # rank that differs or fails stops them all rather than leave them in comm.Split.
+        mine = (repr(layout), cuts, overlap, bool(force_spatial))
+        seen = comm.allgather(mine)
+        if len(set(seen)) > 1:
+            first = {v: seen.index(v) for v in reversed(seen)}  # each value's first rank
+            raise LayoutError("the ranks must build ParallelContext with the same layout and "
+                              "options (layout, cuts, overlap, force_spatial); got "
+                              + "; ".join(f"rank {r} and others like it: {v}" for v, r in
+                                          sorted(first.items(), key=lambda kv: kv[1])))
         if layout.size != comm.Get_size():
             raise LayoutError(f"layout {layout} does not match the communicator's "
                               f"{comm.Get_size()} ranks")

@@ -429,6 +429,21 @@ def test_balance_not_matching_stages_fails_on_every_rank(comm):
     assert len(set(comm.allgather(msg))) == 1
 
 
+def test_a_rank_with_another_balance_stops_every_rank(comm):
+    """A balance that fails on one rank only hung the others in the communicator's Dup; one
+    that differs made ranks own other blocks (a block no stage ran): every rank raises."""
+    if comm.size < 2 or comm.size % 2:
+        pytest.skip("two stages")
+    model = build("unet")
+    ctx = ParallelContext(comm, RankLayout.from_world(comm.size, stages=2))
+    with pytest.raises(PipelineError, match=r"sums to 7 but the model has 6 blocks.* \(rank 1\)"):
+        Pipeline(model, ctx, balance="4,3" if comm.rank == 1 else "3,3", schedule="gpipe")
+    with pytest.raises(PipelineError, match=r"same balance, schedule, micro-batches and model; "
+                                            r"got rank 0 and others like it: \(\(3, 3\)"):
+        Pipeline(model, ctx, balance="4,2" if comm.rank == 1 else "3,3", schedule="gpipe")
+    ctx.close()
+
+
 def test_stages_not_dividing_ranks_fail_on_every_rank(comm):
     stages = 2 if comm.size % 2 else 3
     with pytest.raises(LayoutError) as err:

@@ -23,7 +23,7 @@ from halo.transport.streams import SimDevice
 from sparsepipe_hpc.nn import (BatchNorm, GlobalPool, SparseConv3d, SparseInverseConv3d,
                                SparseResNet, SparseUNet, SubMConv3d)
 from sparsepipe_hpc.parallel.context import ParallelContext
-from sparsepipe_hpc.parallel.layout import RankLayout
+from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
 from sparsepipe_hpc.sparse import SparseTensor
 
 GRIDS = {1: [(1, 1, 1)], 2: [(2, 1, 1), (1, 1, 2)], 3: [(3, 1, 1), (1, 3, 1)],
@@ -473,9 +473,12 @@ def test_a_rank_that_cuts_another_batch_or_with_other_options_stops_every_rank(c
         with pytest.raises(CutError, match=r"differ in align: rank 0 2, rank 1 4"):
             ctx.distribute(x, align=4 if comm.rank == 1 else 2)
         ctx.distribute(x, align=2)  # and the group goes on
-    with ParallelContext(comm, layout, cuts="uniform" if comm.rank == 1 else "balanced") as ctx:
-        with pytest.raises(CutError, match=r"differ in balanced: rank 0 True, rank 1 False"):
-            ctx.distribute(x)
+    with pytest.raises(LayoutError, match=r"same layout and options .* got rank 0 and others "
+                                          r"like it: .*'balanced'.*; rank 1 .*'uniform'"):
+        ParallelContext(comm, layout, cuts="uniform" if comm.rank == 1 else "balanced")
+    other = RankLayout(1, 1, (1, comm.size, 1))
+    with pytest.raises(LayoutError, match=r"same layout and options"):
+        ParallelContext(comm, other if comm.rank == 1 else layout)  # hung in comm.Split
 
 
 def test_batchnorm_counts_voxels_over_the_group_on_every_rank(comm):
