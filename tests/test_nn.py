@@ -334,3 +334,16 @@ def test_batchnorm_in_float32_keeps_float64_accuracy_on_many_voxels():
     for got, ref in zip(run(torch.float32), run(torch.float64)):
         err = (got.double() - ref).abs().max() / ref.abs().max()
         assert err < 2e-5, err
+
+
+def test_model_sizes_must_be_positive_integers():
+    """depth 0 or -1, a float width, no classes: a named error, not an IndexError or torch's."""
+    from sparsepipe_hpc.nn import build_model
+
+    for name, kw, bad in (("resnet", dict(depth=-1), "depth must be an integer >= 1; got -1"),
+                          ("unet", dict(depth=0), "depth must be an integer >= 1; got 0"),
+                          ("unet", dict(width=1.5), "width must be an integer >= 1; got 1.5")):
+        with pytest.raises(ValueError, match=bad):
+            build_model(name, 3, 8, **kw)
+    with pytest.raises(ValueError, match="SparseUNet: num_classes must be an integer >= 1"):
+        build_model("unet", 3, 0)

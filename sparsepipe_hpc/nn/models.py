@@ -169,6 +169,8 @@ class SparseUNet(BlockSequence):
 
     def __init__(self, in_channels: int, num_classes: int, width: int = 16, depth: int = 3,
                  units: int = 1, engine: str = "auto"):
+        _check_sizes(type(self).__name__, in_channels=in_channels, num_classes=num_classes,
+                     width=width, depth=depth, units=units)
         widths = [width * 2 ** i for i in range(depth + 1)]
         blocks: list[Block] = [Stem(in_channels, width, engine)]
         for i in range(depth):
@@ -184,12 +186,21 @@ class SparseResNet(BlockSequence):
 
     def __init__(self, in_channels: int, num_classes: int, width: int = 16, depth: int = 3,
                  units: int = 1, pool: str = "avg", engine: str = "auto"):
+        _check_sizes(type(self).__name__, in_channels=in_channels, num_classes=num_classes,
+                     width=width, depth=depth, units=units)
         widths = [width * 2 ** i for i in range(depth + 1)]
         blocks: list[Block] = [Stem(in_channels, width, engine)]
         for i in range(depth):
             blocks.append(Down(widths[i], widths[i + 1], f"down{i + 1}", units, engine, False))
         blocks.append(ClsHead(widths[-1], num_classes, pool))
         super().__init__(blocks)
+
+
+def _check_sizes(model: str, **sizes: Any) -> None:
+    """ValueError naming the first size that is not an integer >= 1."""
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{model}: {name} must be an integer >= 1; got {v!r}")
 
 
 MODELS = {"unet": SparseUNet, "resnet": SparseResNet}
