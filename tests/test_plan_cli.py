@@ -116,6 +116,15 @@ def test_plan_command_bad_input_exits_2(tmp_path, capsys):
     assert "no plan fits 2 ranks" in capsys.readouterr().err
     assert plan_main(["--profile", str(tmp_path / "nope.json"), "--ranks", "2"]) == 2
     assert "cannot be read" in capsys.readouterr().err
+    assert plan_main(["--profile", str(prof), "--ranks", "2", "--json",
+                      str(tmp_path / "no" / "dir" / "p.json")]) == 2
+    assert "--json " in capsys.readouterr().err
+    for bad, words in ((["--extent", "10,10"], "must be three integers >= 1"),
+                       (["--ranks", "0"], "argument --ranks: must be > 0; got 0"),
+                       (["--voxels-per-sample", "-1"], "--voxels-per-sample: must be > 0")):
+        with pytest.raises(SystemExit) as e:
+            plan_main(["--profile", str(prof), *bad])
+        assert e.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_launch_job_renders_the_planners_plan(tmp_path):

@@ -35,9 +35,20 @@ def _ints(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be integers like 64,64,32; got {text!r}") \
             from None
-    if min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1; got {text!r}")
+    if len(vals) != 3 or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"must be three integers >= 1 (x,y,z); got {text!r}")
     return vals
+
+
+def _positive(kind: type) -> Any:
+    """An argparse type: ``kind`` (int or float) > 0."""
+    def parse(text: str) -> Any:
+        v = kind(text)
+        if not v > 0 or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be > 0; got {text}")
+        return v
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,32 +58,32 @@ def build_parser() -> argparse.ArgumentParser:
     a("--measure-machine", action="store_true", help="ping-pong between ranks (run under "
       "mpirun, 2+ ranks) and print a machine TOML on rank 0")
     a("--model", choices=("unet", "resnet"), default="unet")
-    a("--width", type=int, default=16)
-    a("--depth", type=int, default=3)
-    a("--in-channels", type=int, default=3)
-    a("--classes", type=int, default=8)
+    a("--width", type=_positive(int), default=16)
+    a("--depth", type=_positive(int), default=3)
+    a("--in-channels", type=_positive(int), default=3)
+    a("--classes", type=_positive(int), default=8)
     a("--engine", default="auto", choices=("auto", "torch", "spconv"))
     a("--device", default="cpu", help="device to profile on (cpu, cuda)")
-    a("--ranks", type=int, help="ranks to plan for (default: the machine file's)")
+    a("--ranks", type=_positive(int), help="ranks to plan for (default: the machine file's)")
     a("--machine", metavar="FILE", help="machine TOML/JSON (--measure-machine writes one)")
     a("--device-speed", metavar="S,S,...", help="relative speed per rank, or one for all")
     a("--device-memory", metavar="B,B,...", help="bytes per rank, or one for all")
-    a("--ranks-per-node", type=int, help="default: the machine file's, else all on one node")
-    a("--batch-size", type=int, default=4, help="global samples per step (default 4)")
-    a("--sample-voxels", type=int, default=20000, help="voxels of the synthetic profile "
+    a("--ranks-per-node", type=_positive(int), help="default: the machine file's, else all on one node")
+    a("--batch-size", type=_positive(int), default=4, help="global samples per step (default 4)")
+    a("--sample-voxels", type=_positive(int), default=20000, help="voxels of the synthetic profile "
       "sample; profiled at 1/2, 1 and 3/2 of it (default 20000)")
-    a("--voxels-per-sample", type=float, help="predict for samples of this many voxels "
+    a("--voxels-per-sample", type=_positive(float), help="predict for samples of this many voxels "
       "(default: the profile's)")
     a("--extent", type=_ints, metavar="X,Y,Z", help="grid extent in voxels for the prediction "
       "(default: the profile's)")
     a("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     a("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    a("--imbalance", type=float, default=1.0, help="largest box / mean box (default 1)")
-    a("--max-micro-batches", type=int)
-    a("--repeats", type=int, default=3, help="timing repeats per block (median)")
+    a("--imbalance", type=_positive(float), default=1.0, help="largest box / mean box (default 1)")
+    a("--max-micro-batches", type=_positive(int))
+    a("--repeats", type=_positive(int), default=3, help="timing repeats per block (median)")
     a("--profile", metavar="FILE", help="read the profile instead of measuring it")
     a("--profile-out", metavar="FILE", help="write the measured profile (JSON)")
-    a("--top", type=int, default=5, help="runners-up to show (default 5)")
+    a("--top", type=_positive(int), default=5, help="runners-up to show (default 5)")
     a("--json", metavar="FILE", help="write the chosen plan and runners-up as JSON")
     return p
 
@@ -201,5 +212,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "profile_device": prof.device, "machine": machine.to_dict(),
                "rejected": res.rejected,
                "plans": [p.to_dict(machine) for p in shown]}
-        Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
+        try:
+            Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
+        except OSError as e:
+            print(f"{PROG}: error: --json {args.json}: cannot write it ({e.strerror})",
+                  file=sys.stderr)
+            return 2
     return 0
