@@ -213,7 +213,12 @@ class ParallelContext:
     def global_count(self, n_local: int) -> int:
         """The sum of ``n_local`` over the stage's ranks (e.g. voxels in the global batch)."""
         self._check_open()
-        return int(self.stats_comm.allreduce(int(n_local)))
+        counts = self.stats_comm.allgather(int(n_local))  # small: one int per rank
+        if min(counts) < 0:  # every rank sees every count: all raise alike
+            r = counts.index(min(counts))
+            raise ValueError(f"global_count: a count must be >= 0; rank {r} of the stage gave "
+                             f"{counts[r]}")
+        return sum(counts)
 
     def allreduce_gradients(self, params: Sequence[torch.nn.Parameter] | torch.nn.Module) -> None:
         """Sum gradients over every rank holding these parameters, in one flat buffer per dtype
@@ -250,5 +255,14 @@ class ParallelContext:
         self._check_open()
         if self.world.Get_size() == 1:
             return
-        for t in list(module.parameters()) + list(module.buffers()):
+        tensors = list(module.parameters()) + list(module.buffers())
+        # Agreed first (one allgather of shapes): broadcasting into other shapes sends garbage.
+        shapes = [(tuple(t.shape), str(t.dtype)) for t in tensors]
+        seen = self.world.allgather(shapes)
+        if any(other != seen[0] for other in seen):
+            r = next(r for r, other in enumerate(seen) if other != seen[0])
+            raise LayoutError(f"broadcast_parameters: rank {r}'s module differs from rank 0's "
+                              f"({len(seen[r])} tensors against {len(seen[0])}, or other shapes "
+                              f"or dtypes); build the same model on every rank")
+        for t in tensors:
             bcast_(t, self.world, root=0)

@@ -479,6 +479,14 @@ def test_a_rank_that_cuts_another_batch_or_with_other_options_stops_every_rank(c
     other = RankLayout(1, 1, (1, comm.size, 1))
     with pytest.raises(LayoutError, match=r"same layout and options"):
         ParallelContext(comm, other if comm.rank == 1 else layout)  # hung in comm.Split
+    with ParallelContext(comm, layout) as ctx:
+        net = torch.nn.Linear(3, 5 if comm.rank == 1 else 4)  # broadcast said nothing
+        with pytest.raises(LayoutError, match=r"broadcast_parameters: rank 1's module differs"):
+            ctx.broadcast_parameters(net)
+        with pytest.raises(ValueError, match=r"global_count: a count must be >= 0; rank 1 of "
+                                             r"the stage gave -5"):
+            ctx.global_count(-5 if comm.rank == 1 else 3)
+        assert ctx.global_count(2) == 2 * comm.size
 
 
 def test_batchnorm_counts_voxels_over_the_group_on_every_rank(comm):
