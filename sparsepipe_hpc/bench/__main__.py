@@ -23,7 +23,10 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0].replace("_", "-") in names:  # gpu-comm and gpu_comm both work
         argv = [argv[0].replace("-", "_"), *argv[1:]]
     if not argv or argv[0].replace("_", "-") not in names:
-        sys.exit(f"usage: python -m sparsepipe_hpc.bench {{{','.join(names)}}} [options]")
+        why = f"no benchmark {argv[0]!r}" if argv else "name a benchmark"
+        print(f"usage: python -m sparsepipe_hpc.bench {{{','.join(names)}}} [options]\n"
+              f"python -m sparsepipe_hpc.bench: error: {why}", file=sys.stderr)
+        sys.exit(2)  # argparse's status for a usage error
     from launch.env import prefer_shared_memory
     from launch.run import abort_on_exception
 

@@ -4,6 +4,7 @@ CUDA events on a GPU), JSON output."""
 from __future__ import annotations
 
 import json
+import sys
 import platform
 import statistics
 import time
@@ -105,5 +106,10 @@ def environment(comm: Optional[Any] = None) -> dict[str, Any]:
 
 def write_json(path: Optional[str], result: dict[str, Any]) -> None:
     if path:
-        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+        try:
+            Path(path).write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:  # a user error (a missing folder), not a traceback
+            print(f"error: --json {path}: cannot write it ({e.strerror}); the figures are "
+                  f"printed above", file=sys.stderr)
+            raise SystemExit(2) from None
         print(f"wrote {path}")
