@@ -33,6 +33,7 @@ import torch
 from halo.cuts import Cuts
 from halo.transport.base import Reducer
 from halo.transport.collectives import ReduceGroup, allgatherv, allreduce_, bcast_
+from sparsepipe_hpc.parallel.failures import disagreement
 from sparsepipe_hpc.parallel.gradients import DEFAULT_BUCKET_BYTES, GradientReducer
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
 from sparsepipe_hpc.sparse import SparseTensor
@@ -59,14 +60,10 @@ class ParallelContext:
                  reducer: Optional[Callable[[Any], Optional[Reducer]]] = None):
         # Collective: the ranks agree on the layout and options first (one allgather), so a
         # rank that differs or fails stops them all rather than leave them in comm.Split.
-        mine = (repr(layout), cuts, overlap, bool(force_spatial))
-        seen = comm.allgather(mine)
-        if len(set(seen)) > 1:
-            first = {v: seen.index(v) for v in reversed(seen)}  # each value's first rank
+        differ = disagreement(comm, (repr(layout), cuts, overlap, bool(force_spatial)))
+        if differ:
             raise LayoutError("the ranks must build ParallelContext with the same layout and "
-                              "options (layout, cuts, overlap, force_spatial); got "
-                              + "; ".join(f"rank {r} and others like it: {v}" for v, r in
-                                          sorted(first.items(), key=lambda kv: kv[1])))
+                              f"options (layout, cuts, overlap, force_spatial); got {differ}")
         if layout.size != comm.Get_size():
             raise LayoutError(f"layout {layout} does not match the communicator's "
                               f"{comm.Get_size()} ranks")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["Outcome", "run_on_all"]
+__all__ = ["Outcome", "run_on_all", "disagreement"]
 
 
 @dataclass
@@ -49,3 +49,15 @@ def run_on_all(comm: Any, fn: Callable[[], Any]) -> Outcome:
     gathered = comm.allgather(mine)
     failures = [(r, m[0], m[1]) for r, m in enumerate(gathered) if m is not None]
     return Outcome(value, caught, failures, len(gathered))
+
+
+def disagreement(comm: Any, value: Any) -> Optional[str]:
+    """None when every rank of ``comm`` passes an equal (hashable) ``value``; else which values
+    the ranks passed, each with the first rank that passed it, for a message every rank raises.
+    **Collective** (one allgather)."""
+    seen = comm.allgather(value)
+    if len(set(seen)) == 1:
+        return None
+    first = {v: seen.index(v) for v in reversed(seen)}  # each distinct value's first rank
+    return "; ".join(f"rank {r} and others like it: {v}"
+                     for v, r in sorted(first.items(), key=lambda kv: kv[1]))

@@ -34,7 +34,7 @@ import torch
 from halo.transport.base import Transport
 from halo.transport.mpi import MPITransport
 from sparsepipe_hpc.nn.layers import commit_batchnorm, set_deferred_batchnorm
-from sparsepipe_hpc.parallel.failures import run_on_all
+from sparsepipe_hpc.parallel.failures import disagreement, run_on_all
 from sparsepipe_hpc.pipeline.carry import CarryPlan, PipelineError, parse_balance, plan_carry
 from sparsepipe_hpc.pipeline.executor import StageExecutor
 from sparsepipe_hpc.pipeline.p2p import StageLink
@@ -89,13 +89,10 @@ class Pipeline:
             alone = len(outcome.failures) < outcome.size
             raise PipelineError(f"{msg} (rank {rank})" if alone else msg)
         parts = outcome.value
-        seen = ctx.world.allgather((tuple(parts), schedule, micro_batches, n))
-        if len(set(seen)) > 1:
-            first = {v: seen.index(v) for v in reversed(seen)}
-            raise PipelineError(
-                "the ranks must build the Pipeline with the same balance, schedule, micro-batches "
-                "and model; got " + "; ".join(f"rank {r} and others like it: {v}" for v, r in
-                                              sorted(first.items(), key=lambda kv: kv[1])))
+        differ = disagreement(ctx.world, (tuple(parts), schedule, micro_batches, n))
+        if differ:
+            raise PipelineError("the ranks must build the Pipeline with the same balance, "
+                                f"schedule, micro-batches and model; got {differ}")
         self.plan: CarryPlan = plan_carry([b.carry_arity for b in model.blocks], parts)
         self.schedule: Schedule = make_schedule(schedule, stages, micro_batches,
                                                 skips=self.plan.skips)

@@ -146,6 +146,7 @@ def device_comm(name: str, device: torch.device) -> DeviceComm:
     from halo.transport.streams import CudaDevice
 
     streams = CudaDevice(device)
+
     def stages(comm: Any) -> Transport:  # collective over the job (one_node)
         ipc = name == "ipc" and one_node(comm)
         return make_transport("ipc" if ipc else "staged", comm, streams)
