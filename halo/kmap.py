@@ -84,8 +84,6 @@ class KernelMap:
 
     in_rows, out_rows: int64 [P]; ptr: int64 [K + 1] with offset k's pairs at ptr[k]:ptr[k+1]
     (a CPU tensor). n_in, n_out: row counts of the input and output tensors the rows index.
-    tiling: "in" where windows tile the grid (kernel = stride) and each input is in at most one
-    pair, "out" for the transpose of such a map (each output in at most one pair), else None.
     """
 
     in_rows: torch.Tensor
@@ -93,11 +91,9 @@ class KernelMap:
     ptr: torch.Tensor
     n_in: int
     n_out: int
-    tiling: Optional[str] = None
     _spconv: Optional[tuple] = field(default=None, repr=False, compare=False)
     _transposed: Optional["KernelMap"] = field(default=None, repr=False, compare=False)
     _bounds: Optional[list[int]] = field(default=None, repr=False, compare=False)
-    _slots: Optional[tuple] = field(default=None, repr=False, compare=False)  # engine.window's
     # engine.spconv_igemm's tables (an object with a ``transposed()``: the transpose's tables).
     _igemm: Optional[Any] = field(default=None, repr=False, compare=False)
 
@@ -131,8 +127,7 @@ class KernelMap:
     def transpose(self) -> "KernelMap":
         """The map of the transposed (inverse) convolution: inputs and outputs swap roles."""
         if self._transposed is None:  # kept, so its spconv layout is built once too
-            tiling = {"in": "out", "out": "in"}.get(self.tiling or "")
-            t = KernelMap(self.out_rows, self.in_rows, self.ptr, self.n_out, self.n_in, tiling)
+            t = KernelMap(self.out_rows, self.in_rows, self.ptr, self.n_out, self.n_in)
             if self._spconv is not None:  # the same table, its two rows swapped
                 pairs, counts = self._spconv
                 t._spconv = (pairs.flip(0), counts)
@@ -267,7 +262,7 @@ def _window_map(in_coords: torch.Tensor, out_coords: torch.Tensor, s: tuple[int,
     perm = torch.argsort(k * len(out_coords) + out_rows)
     ptr = torch.zeros(n_k + 1, dtype=torch.int64)
     ptr[1:] = torch.cumsum(value_counts(k, n_k).cpu(), 0)
-    return KernelMap(in_rows[perm], out_rows[perm], ptr, len(in_coords), len(out_coords), "in")
+    return KernelMap(in_rows[perm], out_rows[perm], ptr, len(in_coords), len(out_coords))
 
 
 def output_coords(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
@@ -352,7 +347,7 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     ptr = torch.zeros(n_k + 1, dtype=torch.int64)
     ptr[1:] = torch.cumsum(counts[:n_k], 0)
     return decode_keys(uniq[dropped:]), KernelMap(in_rows, row[by_offset], ptr, len(c),
-                                                  len(uniq) - dropped, "in")
+                                                  len(uniq) - dropped)
 
 
 def key_batch(keys: torch.Tensor) -> torch.Tensor:

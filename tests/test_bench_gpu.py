@@ -44,12 +44,11 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
     assert r["targets"] == {"time_ratio_max": 1.10, "memory_ratio_max": 1.10}
     assert set(r["steps"]) == {"fp32", "fp16"} and set(r["layer"]) == {"fp32", "fp16"}
     fp32 = r["steps"]["fp32"]
-    nets = ("spconv_unet", "sparseunet", "sparseunet_window", "sparseunet_elements",
-            "distributed_1x1x1")
+    nets = ("spconv_unet", "sparseunet", "distributed_1x1x1")
     for net in nets:
         assert fp32[net]["median_s"] > 0 and fp32[net]["peak_bytes"] is None  # no device memory
     assert fp32["time_ratio_distributed_1x1x1_over_spconv"] > 0
-    assert fp32["time_ratio_sparseunet_window_over_spconv"] > 0
+    assert fp32["networks"] == list(nets)  # no other way to run on a CPU
     for net in nets:  # a CPU has torch ops only
         n = fp32["launches"][net]
         assert n["aten_ops"] > 100 and n["kernels"] == n["syncs"] == 0, n
@@ -62,17 +61,12 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
         assert layer[net]["tflops"] > 0
     strided = r["strided"]["fp32"]
     assert strided["channels"] == [4, 8] and strided["voxels"] == r["scene"]["voxels"]
-    for name in ("project", "project_window", "project_elements", "spconv"):
+    for name in ("project", "spconv"):
         assert strided[name]["median_s"] > 0
-    assert "project_igemm" not in strided and "sparseunet_igemm" not in fp32  # CUDA only
-    assert strided["time_ratio_project_window_over_spconv"] > 0
+    assert "project_explicit" not in strided and "sparseunet_explicit" not in fp32  # CUDA only
+    assert strided["time_ratio_project_over_spconv"] > 0
     assert "skipped" in r["strided"]["fp16"]["spconv"]
     assert "fp32 strided 4->8->4 (map included): project" in proc.stdout
-    gathers = r["gathers"]["fp16"]
-    assert [g["channels"] for g in gathers] == [4, 8] and gathers[0]["row_bytes"] == 8
-    for form in ("index", "index_select", "elements", "index_copy"):
-        assert gathers[1][form]["median_s"] > 0
-    assert f"fp32 gather {r['scene']['voxels']} rows of 16 B: index " in proc.stdout
     for precision in ("fp32", "fp16"):
         bn = r["batchnorm"][precision]
         assert bn["voxels"] == r["scene"]["voxels"] and bn["channels"] == 4
@@ -97,8 +91,21 @@ def test_triton_variants_are_skipped_with_the_reason_where_they_cannot_run(tmp_p
     assert "time_ratio_spconv_triton_unet_over_spconv" not in steps
     assert steps["sparseunet"]["median_s"] > 0 and r["complete"]
     assert steps["launches"] == {} and "launches" not in proc.stdout  # --no-launches
-    assert steps["networks"] == ["spconv_unet", "sparseunet", "sparseunet_window",
-                                 "sparseunet_elements", "distributed_1x1x1"]
+    assert steps["networks"] == ["spconv_unet", "sparseunet", "distributed_1x1x1"]
+
+
+def test_the_explicit_variant_turns_implicit_gemm_off_on_cuda_only():
+    """``sparseunet_explicit`` times the strided layers as they ran before implicit GEMM became
+    CUDA's default: its context empties the switch, and puts it back after."""
+    from sparsepipe_hpc.bench._gpu_tables import variants
+    from sparsepipe_hpc.engine import spconv_igemm
+
+    assert variants(torch.device("cpu")) == {}
+    ways = variants(torch.device("cuda"))
+    assert list(ways) == ["explicit"] and spconv_igemm.DEVICES == ("cuda",)
+    with ways["explicit"]():
+        assert spconv_igemm.DEVICES == ()
+    assert spconv_igemm.DEVICES == ("cuda",)
 
 
 def test_defaults_are_the_issues_scene(monkeypatch):

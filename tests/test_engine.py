@@ -122,60 +122,6 @@ def test_spconv_split_backward_equals_its_own(gen, monkeypatch, k, s, p):
             torch.testing.assert_close(gw, rw, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("k,p,case", [(2, 0, "all"), (2, 1, "all"), (2, 1, "edge"),
-                                      (2, 0, "subset"), (3, 0, "subset")])
-def test_tiling_maps_as_dense_gemms_equal_spconvs_pairs(gen, monkeypatch, k, p, case):
-    """engine.window (off by default) on the CPU: a tiling strided map and its transpose give
-    spconv's explicit-pair results, forward and backward (accumulating into a given input
-    gradient, leaving it out when not asked for). Cases: every input with an output; an output
-    grid one short of the windows, so the edge's inputs have none; outputs on a subset only (so
-    some inputs have no pair); kernel 3 stride 3."""
-    import sparsepipe_hpc.engine.window as window
-
-    x = random_cloud(gen, 700, channels=5)
-    shape = tuple(int(v) + 1 for v in x.coords[:, 1:].max(0).values)
-    out_shape = tuple((n + 2 * p - k) // k + (0 if case == "edge" else 1) for n in shape)
-    out, km = strided_map(x.coords, k, k, p, 1, out_shape)
-    if case == "subset":
-        keep = torch.arange(len(out)) % 3 != 0
-        out = out[keep]
-        km = kernel_map(x.coords, out, k, k, p, 1)
-    assert km.tiling == "in" and km.transpose().tiling == "out"
-    assert (km.num_pairs < km.n_in) == (case != "all")
-    eng = get_engine("spconv")
-    for m, c_in, c_out in ((km, 5, 3), (km.transpose(), 3, 5)):
-        feats, w, g, acc = _operands(gen, m, k ** 3, c_in, c_out)
-        out0 = torch.randn(m.n_out, c_out, generator=gen, dtype=torch.float64)
-
-        def run():
-            return [eng.forward(feats, w, m), eng.forward(feats, w, m, out=out0.clone()),
-                    *eng.backward(feats, w, g, m), *eng.backward(feats, w, g, m,
-                                                                 grad_in=acc.clone()),
-                    eng.backward(feats, w, g, m, need_input_grad=False)[0]]
-        ref = run()
-        monkeypatch.setattr(window, "DEVICES", ("cpu",))
-        got = run()
-        monkeypatch.undo()
-        assert got[-1] is None and ref[-1] is None
-        for a, r in zip(got[:-1], ref[:-1]):
-            torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
-
-
-def test_tiling_maps_take_the_window_path_only_where_asked(gen, monkeypatch):
-    """Off by default; on for a device type, only tiling maps (not a submanifold's explicit map,
-    not a map narrowed by select) take it."""
-    import sparsepipe_hpc.engine.window as window
-
-    x = random_cloud(gen, 300, channels=2)
-    _, km = strided_map(x.coords, 2, 2, 0, 1, (8, 8, 8))
-    subm = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
-    assert subm.tiling is None and km.select(km.in_rows % 2 == 0).tiling is None
-    assert not window.applies(km, x.feats)
-    monkeypatch.setattr(window, "DEVICES", ("cpu",))
-    assert window.applies(km, x.feats) and window.applies(km.transpose(), x.feats)
-    assert not window.applies(subm, x.feats)
-
-
 def _maps(gen):
     """Explicit maps of every kind a layer runs: k2s2 (tiling) and its transpose, k3s2p1, a
     submanifold k3 map and one narrowed by select (rows without pairs)."""
@@ -248,22 +194,22 @@ def test_implicit_gemm_tables_are_built_once_per_map_and_transpose(gen, monkeypa
                                        m.in_rows.new_zeros(1, 4).int(), 5, 1, 2, 1))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32])
-def test_row_gather_forms_agree(gen, dtype):
-    """Each form of engine.rows.take is x[idx], bit for bit: repeated, absent and int32 indices,
-    no rows, one column; a form not known is refused."""
-    import sparsepipe_hpc.engine.rows as rows
+def test_implicit_gemm_takes_maps_dense_enough_for_its_tables(gen):
+    """Strided maps, their transposes, one whose grid edge drops inputs and a submanifold map
+    are worth the tables (K x rows); a halo part's few pairs into many rows are not."""
+    from sparsepipe_hpc.engine import spconv_igemm
 
-    x = (torch.randn(50, 7, generator=gen) * 100).to(dtype)
-    for idx in (torch.tensor([3, 3, 0, 49, 12]), torch.tensor([], dtype=torch.int64),
-                torch.tensor([1, 0], dtype=torch.int32)):
-        for xx in (x, x[:, :1].contiguous()):
-            for name in rows.FORMS:
-                with rows.form(name):
-                    assert torch.equal(rows.take(xx, idx), xx[idx]), (name, idx)
-    with pytest.raises(ValueError, match="'rowwise' is not one of"):
-        with rows.form("rowwise"):
-            pass
+    maps = _maps(gen)
+    for name in ("k2s2", "k2s2_inverse", "k3s2p1", "subm", "selected"):
+        assert spconv_igemm.dense_enough(maps[name]), name
+    x = random_cloud(gen, 400, channels=3)
+    shape = tuple(int(v) + 1 for v in x.coords[:, 1:].max(0).values)
+    _, edge = strided_map(x.coords, 2, 2, 0, 1, tuple(n // 2 - 1 for n in shape))
+    assert 0 < edge.num_pairs < edge.n_in and spconv_igemm.dense_enough(edge)
+    subm = maps["subm"]
+    halo_part = subm.select(subm.out_rows < 10)
+    assert not spconv_igemm.dense_enough(halo_part)
+    assert not spconv_igemm.dense_enough(subm.select(torch.zeros_like(subm.in_rows, dtype=bool)))
 
 
 def test_torch_engine_gradient_is_adjoint(gen):

@@ -129,62 +129,6 @@ def test_models_forward_backward_shapes(gen, engine):
     assert all(p.grad is not None for p in net.parameters())
 
 
-def unet_step(gen, engine: str):
-    """A float64 depth-3 U-Net's step on a drawn cloud, from fresh maps each call: returns its
-    outputs and parameter gradients."""
-    x = random_cloud(gen, 1500, shape=(32, 32, 32), batch=2, channels=3)
-    torch.manual_seed(0)
-    unet = SparseUNet(3, 7, width=8, depth=3, engine=engine).double()
-
-    def step():
-        unet.zero_grad()
-        y = unet(x.replace(kmaps={}))
-        (y.feats ** 2).sum().backward()
-        return [y.feats.detach(), *[p.grad.clone() for p in unet.parameters()]]
-    return step
-
-
-def test_unet_with_tiling_maps_as_dense_gemms_equals_the_default(gen, monkeypatch):
-    """A U-Net step with its strided layers and their inverses through engine.window (off by
-    default) gives the default path's outputs and gradients, in float64."""
-    import sparsepipe_hpc.engine.window as window
-
-    step = unet_step(gen, "spconv")
-    ref = step()
-    monkeypatch.setattr(window, "DEVICES", ("cpu",))
-    calls, forward = [], window.forward
-    monkeypatch.setattr(window, "forward", lambda *a: calls.append(a[2].tiling) or forward(*a))
-    got = step()
-    assert sorted(calls) == ["in"] * 3 + ["out"] * 3  # depth 3: three k2s2 layers and inverses
-    for a, r in zip(got, ref):
-        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.parametrize("engine,path", [("spconv", "split"), ("spconv", "window"),
-                                         ("torch", "explicit")])
-def test_unet_with_row_gathers_by_elements_equals_the_default(gen, monkeypatch, engine, path):
-    """engine.rows' other form (off by default) gathers the same rows bit for bit: a U-Net step
-    through the paths that gather (spconv's CUDA backward of strided layers, run on the CPU; the
-    dense-GEMM strided layers; the own torch engine) equals the default exactly, and takes it."""
-    import sparsepipe_hpc.engine.rows as rows
-    import sparsepipe_hpc.engine.spconv_engine as se
-    import sparsepipe_hpc.engine.window as window
-
-    if path == "split":
-        monkeypatch.setattr(se, "SPLIT_BACKWARD", ("cpu", "cuda"))
-    if path == "window":
-        monkeypatch.setattr(window, "DEVICES", ("cpu",))
-    step = unet_step(gen, engine)
-    ref = step()
-    calls, take = [], rows.take
-    monkeypatch.setattr(rows, "take", lambda *a: calls.append(rows.FORM) or take(*a))
-    with rows.form("elements"):
-        got = step()
-    assert calls and set(calls) == {"elements"}
-    for a, r in zip(got, ref):
-        assert torch.equal(a, r)
-
-
 def test_conv_errors_name_the_problem(gen):
     x = random_cloud(gen, 50, channels=4, dtype=torch.float32)
     with pytest.raises(ConvError, match="expects 3 input channels"):

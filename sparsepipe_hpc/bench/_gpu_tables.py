@@ -17,25 +17,22 @@ from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["SKIP_CPU_AUTOCAST", "autocast", "variants", "switched", "spconv_runs", "triton_skip",
            "layer_table",
-           "strided_table", "gathers_table", "batchnorm_table", "kernel_maps_table"]
+           "strided_table", "batchnorm_table", "kernel_maps_table"]
 
 SKIP_CPU_AUTOCAST = ("spconv's own layers fail under CPU autocast (their torch.mm into a float32 "
                      "buffer comes back in the autocast dtype); they run it on CUDA")
 
 
 def variants(device: torch.device) -> dict[str, Callable[[], ContextManager[None]]]:
-    """The switches a GPU measurement decides, each another way the project's layers can run,
-    off by default: name -> a context that turns it on. ``window``: tiling strided layers as
-    dense GEMMs (:mod:`sparsepipe_hpc.engine.window`); ``elements``: row gathers by single
-    elements (:mod:`sparsepipe_hpc.engine.rows`); ``igemm``, CUDA only: explicit maps through
-    spconv's implicit GEMM (:mod:`sparsepipe_hpc.engine.spconv_igemm`)."""
-    from sparsepipe_hpc.engine import rows, spconv_igemm, window
+    """Other ways the project's layers can run than the default, to time beside it: name -> a
+    context that switches to it. ``explicit``, CUDA only: strided layers by explicit
+    gather-GEMM-scatter, not through spconv's implicit GEMM (:mod:`sparsepipe_hpc.engine.
+    spconv_igemm`, the default there since an H100 timed both)."""
+    from sparsepipe_hpc.engine import spconv_igemm
 
-    out: dict[str, Callable[[], ContextManager[None]]] = {
-        "window": lambda: window.on(device.type), "elements": lambda: rows.form("elements")}
-    if device.type == "cuda":
-        out["igemm"] = lambda: spconv_igemm.on(device.type)
-    return out
+    if device.type != "cuda":
+        return {}
+    return {"explicit": lambda: spconv_igemm.only_on()}
 
 
 def spconv_runs(device: torch.device, dtype: Optional[torch.dtype]) -> bool:
@@ -144,8 +141,8 @@ def strided_table(x: SparseTensor, c: int, args: Any, device: torch.device,
                   dtype: Optional[torch.dtype]) -> dict[str, Any]:
     """A U-Net level's way down and back: ``SparseConv3d`` k2s2 c -> 2c, then
     ``SparseInverseConv3d`` 2c -> c onto the same voxels, forward + backward with their map built
-    each time (as a step does): the project's (default engine, and through
-    :mod:`sparsepipe_hpc.engine.window`) against spconv's own layers."""
+    each time (as a step does): the project's (default engine, and each of :func:`variants`)
+    against spconv's own layers."""
     from sparsepipe_hpc.bench.spconv_unet import _algo
     from sparsepipe_hpc.nn import SparseConv3d, SparseInverseConv3d
 
@@ -207,42 +204,6 @@ def switched(fn: Callable[[], None], on: Callable[[], ContextManager[None]]
     return run
 
 
-def gathers_table(n: int, c: int, args: Any, device: torch.device,
-                  dtype: Optional[torch.dtype]) -> dict[str, Any]:
-    """``y = x[perm]`` for x [n, c] and a random permutation (a kernel map's rows are grouped by
-    offset, closer to ascending: a random one is the worst case for locality), by four forms,
-    all equal. ``elements`` builds its element index inside the timing, as a caller would;
-    ``index_copy``'s inverse permutation is built once outside it, as a kernel map would keep
-    it (and only a permutation has one)."""
-    g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(n, c, generator=g, device=device).to(dtype or torch.float32)
-    perm = torch.randperm(n, generator=g, device=device)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(n, device=device)
-    cols = torch.arange(c, device=device)
-
-    def index() -> torch.Tensor:
-        return x[perm]
-
-    def select() -> torch.Tensor:
-        return torch.index_select(x, 0, perm)
-
-    def elements() -> torch.Tensor:
-        return x.reshape(-1)[(perm[:, None] * c + cols).reshape(-1)].view(n, c)
-
-    def scatter() -> torch.Tensor:
-        return torch.empty_like(x).index_copy_(0, inverse, x)
-
-    forms = {"index": index, "index_select": select, "elements": elements, "index_copy": scatter}
-    want = index()
-    for name, fn in forms.items():  # a form that gathers something else is no contender
-        if not torch.equal(fn(), want):
-            raise RuntimeError(f"bench gpu gathers: {name} differs from x[idx]")
-    out: dict[str, Any] = {"rows": n, "channels": c, "row_bytes": c * x.element_size()}
-    out.update(time_alternating(forms, device, args.repeats))
-    return out
-
-
 def batchnorm_table(x: SparseTensor, c: int, args: Any, device: torch.device,
                     dtype: Optional[torch.dtype]) -> dict[str, Any]:
     """One BatchNorm over [N, c] features, fwd+bwd: project (one rank, group form) and torch's."""
@@ -276,17 +237,20 @@ def batchnorm_table(x: SparseTensor, c: int, args: Any, device: torch.device,
 def kernel_maps_table(x: SparseTensor, depth: int, device: torch.device, repeats: int
                       ) -> dict[str, Any]:
     """Index building for a U-Net of ``depth`` levels: project (what its layers build: spconv's
-    own submanifold indices, :func:`~halo.kmap.strided_map` for each k2s2 layer) versus spconv's
-    indices for the same layers."""
+    own submanifold indices, :func:`~halo.kmap.strided_map` for each k2s2 layer and, where its
+    layers run them, the map's implicit-GEMM tables) versus spconv's indices for the same
+    layers."""
     from spconv.core import ConvAlgo
     from spconv.pytorch import ops
 
     from halo.kmap import kernel_map, output_coords, strided_map
+    from sparsepipe_hpc.engine import spconv_igemm
     from sparsepipe_hpc.engine.spconv_engine import patch_spconv
     from sparsepipe_hpc.engine.spconv_subm import subm_map
 
     patch_spconv()
     cuda = device.type == "cuda"
+    igemm = device.type in spconv_igemm.DEVICES and cuda
 
     def levels() -> list[tuple[torch.Tensor, list[int]]]:
         out, coords, shape = [], x.coords, list(x.spatial_shape)
@@ -303,7 +267,9 @@ def kernel_maps_table(x: SparseTensor, depth: int, device: torch.device, repeats
         for i, (c, shape) in enumerate(lv):
             subm_map(c, shape, x.batch_size, 3, 1)
             if i < depth:
-                strided_map(c, 2, 2, 0, 1, [s // 2 for s in shape])
+                _, km = strided_map(c, 2, 2, 0, 1, [s // 2 for s in shape])
+                if igemm:
+                    spconv_igemm.tables(km)
 
     def explicit_subm() -> None:
         for c, _ in lv:

@@ -10,17 +10,15 @@ on a CPU), median of ``--repeats`` rounds after a warm-up, the variants of a tab
 within each round; the JSON is rewritten after each precision (``complete`` once all ran):
 
   steps        per precision (fp32, and fp16/bf16 under torch.autocast): the plain spconv U-Net
-               (:mod:`.spconv_unet`), ``SparseUNet`` on one rank (and ``sparseunet_<switch>``
-               with each switch a GPU measurement decides, off by default until then:
-               ``window``, strided layers as dense GEMMs; ``elements``, row gathers by single
-               elements; ``igemm``, CUDA only, strided layers through spconv's implicit GEMM;
-               :func:`._gpu_tables.variants`), and the
-               distributed model on a
-               1x1x1 grid (every layer through the spatial path, empty exchanges); step time and
-               peak device memory, and each one's ratio to plain spconv (the issue's target:
-               <= 1.10 in time and memory). ``--triton`` adds the plain U-Net written with
-               spconv-triton's layers (``spconv_triton_unet``: a pure-Triton drop-in for spconv,
-               GPUs only; Triton tunes each new shape in the warm-up round).
+               (:mod:`.spconv_unet`), ``SparseUNet`` on one rank (and ``sparseunet_<variant>``
+               for each other way its layers can run, :func:`._gpu_tables.variants`: on CUDA
+               ``explicit``, strided layers by gather-GEMM-scatter instead of spconv's implicit
+               GEMM), and the distributed model on a 1x1x1 grid (every layer through the spatial
+               path, empty exchanges); step time and peak device memory, and each one's ratio to
+               plain spconv (the issue's target: <= 1.10 in time and memory). ``--triton`` adds
+               the plain U-Net written with spconv-triton's layers (``spconv_triton_unet``: a
+               pure-Triton drop-in for spconv, GPUs only; Triton tunes each new shape in the
+               warm-up round).
                ``launches`` (unless ``--no-launches``): per network, the kernels, CUDA runtime
                calls, host synchronizations and torch ops of one more step (:mod:`.launches`),
                what made the project's step slow before (issue 10's profile).
@@ -32,20 +30,14 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                spconv-triton's ``SubMConv3d``.
   strided      a U-Net level's strided pair on the scene's voxels, forward + backward, its map
                built each time: ``SparseConv3d`` k2s2 W -> 2W and ``SparseInverseConv3d`` back
-               (W = ``--width``), the project's (``project``, and ``project_<switch>`` with each
-               switch of ``sparseunet_<switch>``) against spconv's own (implicit GEMM on CUDA).
-  gathers      a row gather of the scene's voxels at ``--width`` and twice as many channels in
-               the precision's dtype, through a random permutation, by each form torch has:
-               ``x[idx]`` (``index``; the strided layers' explicit-pair backward gathers so, and
-               an H100 spent 5.5 ms of an 85 ms fp16 step in the one-block-per-row kernel it
-               launches), ``index_select``, a gather of single elements (``elements``) and a
-               scatter by the inverse permutation (``index_copy``): which form narrow rows want.
+               (W = ``--width``), the project's (``project``, and ``project_<variant>`` for each
+               of ``sparseunet_<variant>``) against spconv's own (implicit GEMM on CUDA).
   batchnorm    one BatchNorm over the scene's voxels at ``--width`` channels, forward + backward:
                the project's on one rank (as the trainer runs it), the project's group form
                (what each rank of a spatial group runs, all-reduce aside: deferred statistics on
                one rank take the same passes), and ``torch.nn.BatchNorm1d``.
   kernel_maps  index building for the whole U-Net: the project's (spconv's submanifold indices
-               plus own strided maps) versus spconv's own, and the explicit-pair submanifold maps
+               plus own strided maps and their implicit-GEMM tables) versus spconv's own, and the explicit-pair submanifold maps
                the local path no longer needs.
 
 Defaults are the issue's scene: four synthetic rooms at 2 cm (issue 10 measured 1.78 M voxels),
@@ -63,9 +55,8 @@ import torch
 
 from sparsepipe_hpc.bench.common import environment, time_alternating, write_json
 from sparsepipe_hpc.bench._gpu_tables import (SKIP_CPU_AUTOCAST, autocast, batchnorm_table,
-                                              gathers_table, kernel_maps_table, layer_table,
-                                              spconv_runs, strided_table, switched, triton_skip,
-                                              variants)
+                                              kernel_maps_table, layer_table, spconv_runs,
+                                              strided_table, switched, triton_skip, variants)
 from sparsepipe_hpc.bench.launches import step_launches
 from sparsepipe_hpc.sparse import SparseTensor
 
@@ -96,7 +87,7 @@ def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
                ) -> dict[str, Callable[[], None]]:
     """One forward + backward each, from fresh coordinates (kernel maps included): the plain spconv
     U-Net (left out where spconv cannot run it: CPU autocast), ``SparseUNet`` on one rank (also
-    with each switch of :func:`._gpu_tables.variants` on: ``sparseunet_<switch>``), and the
+    each way of :func:`._gpu_tables.variants`: ``sparseunet_<variant>``), and the
     distributed model on a 1x1x1 grid; the same seed, so the U-Nets start alike. ``triton``: also
     the plain U-Net in spconv-triton's layers, where :func:`triton_skip` allows."""
     from mpi4py import MPI
@@ -227,7 +218,7 @@ def main(argv: list[str]) -> None:
                   "voxels": x.num_voxels, "spatial_shape": list(x.spatial_shape),
                   "width": args.width, "depth": args.depth},
         "targets": {"time_ratio_max": 1.10, "memory_ratio_max": 1.10},
-        "steps": {}, "layer": {}, "strided": {}, "gathers": {}, "batchnorm": {},
+        "steps": {}, "layer": {}, "strided": {}, "batchnorm": {},
         "complete": False}
     for name in names:
         steps = result["steps"][name] = _steps(x, args, device, PRECISIONS[name])
@@ -265,13 +256,6 @@ def main(argv: list[str]) -> None:
         print(f"{name} strided {args.width}->{2 * args.width}->{args.width} (map included): "
               + ", ".join(f"{run} {t['median_s'] * 1e3:.2f} ms" for run, t in st.items()
                           if isinstance(t, dict) and "median_s" in t))
-        result["gathers"][name] = []
-        for c in (args.width, 2 * args.width):
-            gt = gathers_table(x.num_voxels, c, args, device, PRECISIONS[name])
-            result["gathers"][name].append(gt)
-            print(f"{name} gather {x.num_voxels} rows of {gt['row_bytes']} B: " + ", ".join(
-                f"{form} {gt[form]['median_s'] * 1e3:.2f} ms"
-                for form in ("index", "index_select", "elements", "index_copy")))
         bn = result["batchnorm"][name] = batchnorm_table(x, args.width, args, device,
                                                     PRECISIONS[name])
         print(f"{name} batchnorm {args.width} ch: project {bn['project']['median_s'] * 1e3:.2f} ms"

@@ -11,16 +11,15 @@ the engine forces them to it. Without spconv installed (no ``cpu``/``cuda12``/``
 
 Submanifold layers run on the engine's own index data when it has some (:meth:`Engine.subm_map`):
 spconv's hash-built indices and its submanifold kernels, Native on the CPU, implicit GEMM on CUDA
-(:mod:`.spconv_subm`); strided layers and the halo pairs of distributed layers keep explicit
-kernel maps, which the spconv engine runs by gather-GEMM-scatter, or, behind switches a GPU
-measurement decides (``bench gpu``'s ``sparseunet_<switch>``), as dense GEMMs where windows tile
-(:mod:`.window`) or through spconv's implicit GEMM on tables built from the map
-(:mod:`.spconv_igemm`, CUDA). Measured on the CPU, one thread (``bench engine``, 157k voxels, U-Net width 16 depth
-4, forward+backward): the spconv engine's step 2.51 s -> 1.95 s with this path. On an H100
-(``bench gpu``, 1.66 M voxels, one submanifold 64 -> 64 layer forward+backward): this engine's
-32.9 ms in fp32 and 7.03 ms in fp16 equal spconv's own ``SubMConv3d`` (32.8, 7.03 ms; the
-implicit GEMM at 89 TFLOP/s of useful work in fp16; docs/gpu.md). The own torch engine and
-spconv-triton are not timed on a GPU yet (``bench gpu --triton``), so the CUDA default stays
+(:mod:`.spconv_subm`). Measured on the CPU, one thread (``bench engine``, 157k voxels, U-Net width
+16 depth 4, forward+backward): the spconv engine's step 2.51 s -> 1.95 s with this path. On an
+H100 (``bench gpu``, 1.66 M voxels, one submanifold 64 -> 64 layer forward+backward): this
+engine's 32.9 ms in fp32 and 7.03 ms in fp16 equal spconv's own ``SubMConv3d`` (32.8, 7.03 ms;
+the implicit GEMM at 89 TFLOP/s of useful work in fp16; docs/gpu.md). Strided layers and the halo
+pairs of distributed layers keep explicit kernel maps, which the spconv engine runs through
+spconv's implicit GEMM on tables built from the map where it is dense enough (CUDA: a strided
+layer and its inverse; :mod:`.spconv_igemm`), else by gather-GEMM-scatter. The own torch engine
+and spconv-triton are not timed on a GPU yet (``bench gpu --triton``), so the CUDA default stays
 spconv, which meets its own speed.
 """
 

@@ -14,32 +14,17 @@ part while the halo is in flight and the halo part after.
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
-from types import ModuleType
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from halo.kmap import KernelMap
 
-__all__ = ["Engine", "Progress", "switched_on"]
+__all__ = ["Engine", "Progress"]
 
 Progress = Optional[Callable[[], object]]
 """Called between chunks of work, so a pending exchange can make progress (MPI_Test)."""
-
-
-@contextlib.contextmanager
-def switched_on(module: ModuleType, device_type: str) -> Iterator[None]:
-    """Within the block, ``module.DEVICES`` also holds ``device_type``: the paths behind a
-    switch a GPU measurement decides (:mod:`.window`, :mod:`.spconv_igemm`), for ``bench gpu``
-    and the tests."""
-    saved: tuple[str, ...] = getattr(module, "DEVICES")
-    setattr(module, "DEVICES", saved + (device_type,))
-    try:
-        yield
-    finally:
-        setattr(module, "DEVICES", saved)
 
 
 class Engine(ABC):

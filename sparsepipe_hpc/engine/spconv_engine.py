@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from sparsepipe_hpc.engine import rows, spconv_igemm, window
+from sparsepipe_hpc.engine import spconv_igemm
 from sparsepipe_hpc.engine.base import Engine, Progress
 
 __all__ = ["SpconvEngine", "SpconvDtypeError", "patch_spconv", "single_thread", "spconv_call",
@@ -137,12 +137,6 @@ class SpconvEngine(Engine):
             if progress is not None:
                 progress()
             return y if out is None else out.add_(y)
-        if window.applies(kmap, feats):  # torch's GEMMs: any dtype
-            with spconv_call(feats.device):  # autocast off: the dtype given
-                y = window.forward(feats.contiguous(), weight.contiguous(), kmap)
-            if progress is not None:
-                progress()
-            return y if out is None else out.add_(y)
         work = native_dtype(feats.dtype, feats.device, (weight.shape[2], weight.shape[0]))
         if work != feats.dtype:
             y = self.forward(feats.to(work), weight.to(work), kmap, progress).to(feats.dtype)
@@ -187,16 +181,6 @@ class SpconvEngine(Engine):
                 return None, gw
             gi = gi.to(feats.dtype)
             return (gi if grad_in is None else grad_in.add_(gi)), gw
-        if window.applies(kmap, feats):
-            with spconv_call(feats.device):
-                gi, gw = window.backward(feats.contiguous(), weight.contiguous(),
-                                         grad_out.contiguous(), kmap,
-                                         need_input_grad or grad_in is not None)
-            if progress is not None:
-                progress()
-            if gi is not None and grad_in is not None:
-                gi = grad_in.add_(gi)
-            return (gi if need_input_grad or grad_in is not None else None), gw
         work = native_dtype(feats.dtype, feats.device, (weight.shape[2], weight.shape[0]))
         if work != feats.dtype:
             gi, gw = self.backward(feats.to(work), weight.to(work), grad_out.to(work), kmap,
@@ -270,7 +254,7 @@ def split_backward(ops: Any, feats: torch.Tensor, weight: torch.Tensor, grad_out
             for k, n in enumerate(part.tolist()):  # host counts: no device sync
                 if n:
                     i, o = pairs[0, k, :n], pairs[1, k, :n]
-                    torch.mm(rows.take(grad_out, o).t(), rows.take(feats, i), out=g_w[:, k])
+                    torch.mm(grad_out[o].t(), feats[i], out=g_w[:, k])
             if progress is not None:
                 progress()
     return g_in, g_w

@@ -6,12 +6,11 @@
 
 A plain spconv network runs its strided and inverse layers through spconv's implicit GEMM
 (``ConvAlgo.MaskImplicitGemm``): tensor-core tiles that gather their input rows inside the GEMM,
-so no gathered copy is ever written. The project's strided layers (the U-Net's k2s2 and its
-inverse, a halo part) run the explicit gather-GEMM-scatter instead, whose weight gradient gathers
-both operands per offset with torch's row gather; an H100 spent 5.5 ms of an 85 ms fp16 U-Net
-step there, where the plain network's implicit GEMM spends none. This module runs the same
-kernels as the plain network on the project's own maps (its rows, order and ownership unchanged),
-so it needs none of spconv's index generation:
+so no gathered copy is ever written. The explicit gather-GEMM-scatter gathers both operands per
+offset for its weight gradient (torch's row gather); an H100 spent 5.5 ms of an 85 ms fp16 U-Net
+step there, where the plain network spends none. This module runs the plain network's kernels on
+the project's own maps (their rows, order and ownership unchanged), so it needs none of spconv's
+index generation:
 
     pair_fwd  int32 [K, N_out]  input row of (offset k, output o), -1 where none
     pair_bwd  int32 [K, N_in]   output row of (offset k, input i), -1 where none
@@ -28,27 +27,32 @@ not on the data: it is kept per weight shape and dtype.
 These semantics were checked against the sources spconv 2.3.8 and cumm 0.7.11 generate their
 kernels from (``indices.py``'s stage-2 tables, the in-place ascending key sort, -1 read as zero
 by every gather, the inverse's swap without a weight flip); fp16 tiles may accumulate in fp16,
-as spconv's own layers' do. Off by default (:data:`DEVICES`): implicit GEMM runs on CUDA only
-and has not run on the project's maps yet; ``bench gpu`` times the U-Net with it (``sparseunet_igemm``). CPU tests hold
-the tables to the map (:func:`reference_forward`, the tables read as the kernels read them).
+as spconv's own layers' do.
+
+On by default on CUDA (:data:`DEVICES`), where it is measured faster: on an H100 (``bench gpu``,
+1.66 M voxels, U-Net width 32 depth 4, forward+backward) the step took 87.3 ms against 90.0 ms
+on the explicit path in fp16 and 203 ms against 208 ms in fp32, the k2s2 layer and its inverse
+7.8 ms against 10.7 ms (fp16, maps included), for 1-2% more peak memory (docs/gpu.md). The
+tables cost ``K x (N_in + N_out)`` entries and two sorts however few the pairs, so a sparse map
+(fewer pairs than half the rows of a side: a distributed layer's halo part) stays on the explicit
+path, which costs per pair (:func:`dense_enough`; that choice is not timed).
 """
 
 from __future__ import annotations
 
-import sys
+import contextlib
 from dataclasses import dataclass, field
-from typing import ContextManager, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
 from halo.kmap import KernelMap
-from sparsepipe_hpc.engine.base import switched_on
 
-__all__ = ["DEVICES", "MAX_OFFSETS", "Tables", "tables", "applies", "on", "forward", "backward",
-           "reference_forward"]
+__all__ = ["DEVICES", "MAX_OFFSETS", "Tables", "tables", "dense_enough", "applies", "only_on",
+           "forward", "backward", "reference_forward"]
 
-DEVICES: tuple[str, ...] = ()  # device types whose explicit maps run here; none until measured
+DEVICES: tuple[str, ...] = ("cuda",)  # device types whose explicit maps run here
 MAX_OFFSETS = 32  # one 32-bit mask per row: spconv's implicit-GEMM kernels take K <= 32
 
 
@@ -102,19 +106,33 @@ def tables(kmap: KernelMap) -> Tables:
     return kmap._igemm
 
 
-def on(device_type: str) -> ContextManager[None]:
-    """Within the block, explicit maps on ``device_type`` run here (``bench gpu``'s comparison)."""
-    return switched_on(sys.modules[__name__], device_type)
+@contextlib.contextmanager
+def only_on(*device_types: str) -> Iterator[None]:
+    """Within the block, explicit maps run here on these device types only: ``only_on()`` is the
+    explicit path everywhere (``bench gpu``'s comparison, the tests)."""
+    global DEVICES
+    saved, DEVICES = DEVICES, device_types
+    try:
+        yield
+    finally:
+        DEVICES = saved
+
+
+def dense_enough(kmap: KernelMap) -> bool:
+    """Pairs for at least half the rows of either side: worth tables of ``K x (N_in + N_out)``
+    entries (a strided layer, its inverse, even where the grid's edge drops some inputs; not a
+    halo part, whose few pairs the explicit path runs for less)."""
+    return kmap.num_pairs > 0 and 2 * kmap.num_pairs >= max(kmap.n_in, kmap.n_out)
 
 
 def applies(kmap: object, feats: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``kmap`` is an explicit map this module runs on ``feats``' device: a CUDA device
-    listed in :data:`DEVICES`, at most :data:`MAX_OFFSETS` offsets, pairs to convolve, and
-    operands under 2 GiB (cumm's kernels index each with 32 bits; float32 assumed, as bfloat16
-    computes in it)."""
+    listed in :data:`DEVICES`, at most :data:`MAX_OFFSETS` offsets, :func:`dense_enough`, and
+    operands under 2 GiB (cumm's kernels index each with 32 bits; float32
+    assumed, as bfloat16 computes in it)."""
     if not (isinstance(kmap, KernelMap) and feats.device.type in DEVICES
             and feats.device.type == "cuda" and kmap.num_offsets <= MAX_OFFSETS
-            and kmap.num_pairs > 0):
+            and dense_enough(kmap)):
         return False
     c_out, _, c_in = weight.shape
     return max(kmap.n_in * c_in, kmap.n_out * c_out) * 4 < 2**31

@@ -13,7 +13,6 @@ import torch
 
 from halo.kmap import KernelMap
 from sparsepipe_hpc.engine.base import Engine, Progress
-from sparsepipe_hpc.engine import rows
 
 __all__ = ["TorchEngine"]
 
@@ -28,7 +27,7 @@ class TorchEngine(Engine):
         for k in range(kmap.num_offsets):
             i, o = kmap.pairs(k)
             if len(i):
-                out.index_add_(0, o, rows.take(feats, i) @ weight[:, k].t())
+                out.index_add_(0, o, feats[i] @ weight[:, k].t())
                 if progress is not None:
                     progress()
         return out
@@ -44,8 +43,8 @@ class TorchEngine(Engine):
             i, o = kmap.pairs(k)
             if not len(i):
                 continue
-            g = rows.take(grad_out, o)
-            torch.mm(g.t(), rows.take(feats, i), out=grad_w[:, k])
+            g = grad_out[o]
+            torch.mm(g.t(), feats[i], out=grad_w[:, k])
             if grad_in is not None:
                 grad_in.index_add_(0, i, g @ weight[:, k])
             if progress is not None:

@@ -299,24 +299,6 @@ def test_misaligned_cuts_are_exact(comm, model, offset):
                  explicit=odd_cuts(grid, x.spatial_shape, offset))
 
 
-@pytest.mark.parametrize("align", [4, 1])
-@pytest.mark.parametrize("model", ["unet", "down_up_k2"])
-def test_tiling_maps_as_dense_gemms_equal_serial(comm, monkeypatch, model, align):
-    """engine.window (off by default) under the distributed layers: with aligned cuts each rank's
-    k2s2 layers and inverses run locally through it; with cuts anywhere (align 1) the split ones
-    take the halo's explicit pairs. Both give the serial result."""
-    import sparsepipe_hpc.engine.window as window
-
-    monkeypatch.setattr(window, "DEVICES", ("cpu",))
-    calls, forward = [], window.forward
-    monkeypatch.setattr(window, "forward", lambda *a: calls.append(1) or forward(*a))
-    x = make_cloud(5, "random", shape=(16, 16, 16), batch=2)
-    net = _small_net(model)
-    for grid in grids_for(comm):
-        run_pair(comm, grid, "uniform", net, x, align=align)
-    assert calls
-
-
 @pytest.mark.parametrize("cuts", ["uniform", "balanced"])
 def test_unaligned_default_is_exact(comm, cuts):
     """The library default align=1 (cuts anywhere) gives the serial U-Net's output and gradients."""

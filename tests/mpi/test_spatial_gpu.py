@@ -49,18 +49,19 @@ def _my_gpu(comm):
 
 
 @pytest.mark.parametrize("name", ["staged", "ipc", "nccl"])
-@pytest.mark.parametrize("engine", ["torch", "spconv", "spconv_igemm"])
+@pytest.mark.parametrize("engine", ["torch", "spconv", "spconv_explicit"])
 def test_unet_on_cuda_equals_serial(comm, name, engine):
     """float64 with the own engine (exact to rounding); float32 with spconv's CUDA kernels
-    (implicit GEMM for the local part) to float32 tolerance; ``spconv_igemm``: also the strided
-    layers and every halo part through implicit GEMM (engine.spconv_igemm, off by default)."""
+    (implicit GEMM for the local part and the strided layers) to float32 tolerance;
+    ``spconv_explicit``: the strided layers by explicit gather-GEMM-scatter instead
+    (engine.spconv_igemm switched off)."""
     import contextlib
 
     from sparsepipe_hpc.engine import spconv_igemm
 
     dtype = torch.float64 if engine == "torch" else torch.float32
-    switch = spconv_igemm.on("cuda") if engine == "spconv_igemm" else contextlib.nullcontext()
-    engine = "spconv" if engine == "spconv_igemm" else engine
+    switch = spconv_igemm.only_on() if engine == "spconv_explicit" else contextlib.nullcontext()
+    engine = "spconv" if engine == "spconv_explicit" else engine
     with switch:
         _unet_on_cuda_equals_serial(comm, name, engine, dtype)
 
