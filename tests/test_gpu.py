@@ -336,6 +336,8 @@ def test_gpu_benchmark_runs_on_cuda(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["steps"]["fp16"]["spconv_unet"]["peak_bytes"] > 0
+    assert "sparseunet_explicit" in r["steps"]["fp32"]["networks"]  # implicit GEMM's baseline
+    assert r["strided"]["fp16"]["project_explicit"]["median_s"] > 0
     for precision in ("fp32", "fp16"):  # the profiled step of every network saw the GPU's work
         for net, n in r["steps"][precision]["launches"].items():
             assert "error" not in n, (precision, net, n)
