@@ -169,7 +169,7 @@ def test_implicit_gemm_tables_say_what_the_map_says(gen, case):
 
 def test_implicit_gemm_tables_are_built_once_per_map_and_transpose(gen, monkeypatch):
     """A map and its transpose share one build (the roles swapped), whichever comes first; the
-    path is off by default and never taken on the CPU (spconv's implicit GEMM is CUDA only)."""
+    path is never taken on the CPU, even when listed (spconv's implicit GEMM is CUDA only)."""
     from sparsepipe_hpc.engine import spconv_igemm
 
     builds = []

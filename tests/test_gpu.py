@@ -59,8 +59,19 @@ def test_kernel_maps_wait_for_the_gpu_once_per_pass(gen):
     assert _syncs(layouts) == []
 
 
-@pytest.mark.parametrize("engine", ["torch", "spconv"])
-def test_engines_on_gpu_equal_cpu(gen, engine):
+def _path(name: str):
+    """The spconv engine's way with explicit maps on CUDA: ``implicit``, spconv's implicit GEMM
+    where the map is dense enough (the default), or ``explicit`` gather-GEMM-scatter always."""
+    import contextlib
+
+    from sparsepipe_hpc.engine import spconv_igemm
+
+    return spconv_igemm.only_on() if name == "explicit" else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("engine,path", [("torch", "explicit"), ("spconv", "implicit"),
+                                         ("spconv", "explicit")])
+def test_engines_on_gpu_equal_cpu(gen, engine, path):
     x = random_cloud(gen, 3000, channels=8, dtype=torch.float32)
     km = kernel_map(x.coords, x.coords, 3, 1, 1, 1)
     kg = kernel_map(x.coords.cuda(), x.coords.cuda(), 3, 1, 1, 1)
@@ -69,8 +80,9 @@ def test_engines_on_gpu_equal_cpu(gen, engine):
     ref_y = get_engine("torch").forward(x.feats, w, km)
     ref_gi, ref_gw = get_engine("torch").backward(x.feats, w, g, km)
     eng = get_engine(engine, "cuda")
-    y = eng.forward(x.feats.cuda(), w.cuda(), kg)
-    gi, gw = eng.backward(x.feats.cuda(), w.cuda(), g.cuda(), kg)
+    with _path(path):
+        y = eng.forward(x.feats.cuda(), w.cuda(), kg)
+        gi, gw = eng.backward(x.feats.cuda(), w.cuda(), g.cuda(), kg)
     torch.testing.assert_close(y.cpu(), ref_y, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gi.cpu(), ref_gi, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gw.cpu(), ref_gw, rtol=1e-3, atol=1e-3)
@@ -116,9 +128,12 @@ def test_spconv_subm_map_on_gpu_equals_cpu(gen, k, dtype, progress):
 @pytest.mark.parametrize("k,s,p", [(2, 2, 0), (2, 2, 1), (3, 2, 1)])
 def test_strided_map_and_its_backward_on_gpu_equal_cpu(gen, k, s, p):
     """A strided layer's outputs and map built on the GPU equal the CPU's; its spconv backward
-    on CUDA (input gradient by spconv's forward kernel, weight gradient by torch GEMMs), whole
-    and between progress calls, equals the torch engine on the CPU."""
+    on CUDA, whole and between progress calls, equals the torch engine on the CPU: through
+    implicit GEMM (the default: the map is dense) and explicitly (input gradient by spconv's
+    forward kernel, weight gradient by torch GEMMs). A sparse part of the map (as a halo part
+    is) stays explicit."""
     from halo.kmap import strided_map
+    from sparsepipe_hpc.engine import spconv_igemm
 
     x = random_cloud(gen, 3000, channels=8, dtype=torch.float32)
     shape = tuple(int(v) + 1 for v in x.coords[:, 1:].max(0).values)
@@ -132,10 +147,17 @@ def test_strided_map_and_its_backward_on_gpu_equal_cpu(gen, k, s, p):
     g = torch.randn(km.n_out, 16, generator=gen)
     ref_gi, ref_gw = get_engine("torch").backward(x.feats, w, g, km)
     eng = get_engine("spconv", "cuda")
-    for progress in (None, lambda: None):
-        gi, gw = eng.backward(x.feats.cuda(), w.cuda(), g.cuda(), km_g, progress)
-        torch.testing.assert_close(gi.cpu(), ref_gi, rtol=1e-3, atol=1e-3)
-        torch.testing.assert_close(gw.cpu(), ref_gw, rtol=1e-3, atol=1e-2)
+    f = x.feats.cuda()
+    assert spconv_igemm.applies(km_g, f, w)
+    assert not spconv_igemm.applies(km_g.select(km_g.out_rows < 10), f, w)
+    for path in ("implicit", "explicit"):
+        with _path(path):
+            assert spconv_igemm.applies(km_g, f, w) == (path == "implicit")
+            eng.forward(f, w.cuda(), km_g)  # implicit GEMM's backward reads its forward's mask
+            for progress in (None, lambda: None):
+                gi, gw = eng.backward(f, w.cuda(), g.cuda(), km_g, progress)
+                torch.testing.assert_close(gi.cpu(), ref_gi, rtol=1e-3, atol=1e-3)
+                torch.testing.assert_close(gw.cpu(), ref_gw, rtol=1e-3, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -279,11 +301,13 @@ def _bn_step(bn, x, g):
     return y, f.grad, bn.weight.grad
 
 
+@pytest.mark.parametrize("path", ["implicit", "explicit"])
 @pytest.mark.parametrize("c_in,c_out", [(4, 8), (8, 4), (3, 13), (8, 16)])
-def test_spconv_strided_layer_in_fp16_on_any_channels(gen, c_in, c_out):
+def test_spconv_strided_layer_in_fp16_on_any_channels(gen, c_in, c_out, path):
     """spconv's fp16 gather-GEMM-scatter refused 4 channels on an H100 ('misaligned contiguous
-    dim', in the weight gradient of a strided layer): the engine computes such calls in float32,
-    and every channel count gives the float32 result to fp16 rounding."""
+    dim', in the weight gradient of a strided layer): the explicit path computes such calls in
+    float32; through implicit GEMM (the default) and explicitly every channel count gives the
+    float32 result to fp16 rounding."""
     x = random_cloud(gen, 3000, channels=c_in, dtype=torch.float32)
     out = output_coords(x.coords, 2, 2, 0, 1, (8, 8, 8))
     km = kernel_map(x.coords.cuda(), out.cuda(), 2, 2, 0, 1)
@@ -291,10 +315,11 @@ def test_spconv_strided_layer_in_fp16_on_any_channels(gen, c_in, c_out):
     f = x.feats.cuda()
     g = torch.randn(km.n_out, c_out, generator=gen).cuda()
     eng = get_engine("spconv", "cuda")
-    ref_y = eng.forward(f, w, km)
-    ref_gi, ref_gw = eng.backward(f, w, g, km)
-    y = eng.forward(f.half(), w.half(), km)
-    gi, gw = eng.backward(f.half(), w.half(), g.half(), km)
+    with _path(path):
+        ref_y = eng.forward(f, w, km)
+        ref_gi, ref_gw = eng.backward(f, w, g, km)
+        y = eng.forward(f.half(), w.half(), km)
+        gi, gw = eng.backward(f.half(), w.half(), g.half(), km)
     assert y.dtype == gi.dtype == gw.dtype == torch.float16
     for a, b in ((y, ref_y), (gi, ref_gi), (gw, ref_gw)):
         torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))

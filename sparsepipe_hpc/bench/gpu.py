@@ -37,8 +37,8 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                (what each rank of a spatial group runs, all-reduce aside: deferred statistics on
                one rank take the same passes), and ``torch.nn.BatchNorm1d``.
   kernel_maps  index building for the whole U-Net: the project's (spconv's submanifold indices
-               plus own strided maps and their implicit-GEMM tables) versus spconv's own, and the explicit-pair submanifold maps
-               the local path no longer needs.
+               plus own strided maps and their implicit-GEMM tables) versus spconv's own, and
+               the explicit-pair submanifold maps the local path no longer needs.
 
 Defaults are the issue's scene: four synthetic rooms at 2 cm (issue 10 measured 1.78 M voxels),
 width 32, depth 4. On a CPU everything runs (``--device cpu``) at whatever size is asked, so a test

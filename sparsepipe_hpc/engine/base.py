@@ -24,7 +24,9 @@ from halo.kmap import KernelMap
 __all__ = ["Engine", "Progress"]
 
 Progress = Optional[Callable[[], object]]
-"""Called between chunks of work, so a pending exchange can make progress (MPI_Test)."""
+"""Called between chunks of work, so a pending exchange can make progress (MPI_Test); once,
+after the call, where a kernel takes the whole map at once (implicit GEMM: on a GPU the launch
+returns before the work is done)."""
 
 
 class Engine(ABC):

@@ -1,4 +1,6 @@
-"""spconv as the local engine: its gather-GEMM-scatter kernels on our kernel maps.
+"""spconv as the local engine: its kernels on our kernel maps (gather-GEMM-scatter; on CUDA its
+implicit GEMM where a map is dense enough, :mod:`.spconv_igemm`; submanifold layers on its own
+indices, :mod:`.spconv_subm`).
 
 Two facts about spconv 2.3.8's CPU build, measured here, shape this module:
   * with more than one torch thread its forward and input gradient are wrong (a race in its CPU

@@ -34,8 +34,8 @@ On by default on CUDA (:data:`DEVICES`), where it is measured faster: on an H100
 on the explicit path in fp16 and 203 ms against 208 ms in fp32, the k2s2 layer and its inverse
 7.8 ms against 10.7 ms (fp16, maps included), for 1-2% more peak memory (docs/gpu.md). The
 tables cost ``K x (N_in + N_out)`` entries and two sorts however few the pairs, so a sparse map
-(fewer pairs than half the rows of a side: a distributed layer's halo part) stays on the explicit
-path, which costs per pair (:func:`dense_enough`; that choice is not timed).
+(fewer pairs than half the rows of a side: usually a distributed layer's halo part) stays on the
+explicit path, which costs per pair (:func:`dense_enough`; that choice is not timed).
 """
 
 from __future__ import annotations
