@@ -311,7 +311,7 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
 
     Where windows tile the grid (kernel = stride, a U-Net's k2s2) it takes one pass: the sort
     that finds the active outputs also gives each input its output row, so there is no lookup,
-    and a GPU waits twice (the outputs' count, the per-offset counts) instead of six times.
+    and a GPU waits once (the outputs' and the per-offset counts together) instead of six times.
     """
     if not _one_output_per_input(kernel_size, stride, dilation):
         out = output_coords(in_coords, kernel_size, stride, padding, dilation, out_shape)
@@ -327,15 +327,17 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     # so they come first among the outputs and are dropped, and offset n_k, a bin of their own.
     keys = torch.where(ok, coord_keys(torch.cat([c[:, :1], o], 1)), torch.full_like(k, -1))
     k = torch.where(ok, k, torch.full_like(k, n_k))
-    counts = value_counts(k, n_k + 1).cpu()  # host sync 1
-    n_pairs = len(c) - int(counts[n_k])
-    dropped = 1 if n_pairs < len(c) else 0  # the slot of key -1
     # Inputs sorted by their output's key are grouped by output, in output order: a new key
     # starts a new output row.
     sorted_keys, by_output = torch.sort(keys)
     first = torch.ones_like(sorted_keys, dtype=torch.bool)
     first[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    uniq = sorted_keys[first]  # host sync 2: the outputs' count
+    # The per-offset counts and the count of distinct keys in one copy: the one host sync.
+    host = torch.cat([value_counts(k, n_k + 1), first.sum().view(1)]).cpu()
+    counts, n_keys = host[:n_k + 1], int(host[n_k + 1])
+    n_pairs = len(c) - int(counts[n_k])
+    dropped = 1 if n_pairs < len(c) else 0  # the slot of key -1
+    uniq = sorted_keys[true_at(first, n_keys)]
     row = torch.cumsum(first, 0) - (1 + dropped)  # -1 for the dropped inputs (key -1, first)
     # An output has at most one input per offset, so a stable sort by offset of the inputs in
     # output order gives the pairs by (offset, output row); the dropped ones (offset n_k) last.

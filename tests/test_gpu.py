@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from halo.kmap import KernelMap, kernel_map, output_coords
+from halo.kmap import KernelMap, kernel_map, output_coords, strided_map
 from helpers import random_cloud, repo_env
 from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.nn import SparseUNet
@@ -43,13 +43,15 @@ def _syncs(fn) -> list[str]:
 
 
 def test_kernel_maps_wait_for_the_gpu_once_per_pass(gen):
-    """A kernel map's lookup pass waits once (its hit counts), and spconv's layout of a map and
-    of its transpose not at all: before, each blocking host-to-device copy of the offsets'
+    """A kernel map's lookup pass waits once (its hit counts), a k2s2 layer's outputs and map once,
+    and spconv's layout of a map and of its transpose not at all: before, each blocking host-to-device copy of the offsets'
     bounds waited for the device, 16 times in a U-Net step on an H100."""
     x = random_cloud(gen, 2000)
     c = x.coords.cuda()
     out = output_coords(c, 2, 2, 0, 1, (8, 8, 8))
     waits = _syncs(lambda: kernel_map(c, c, 3, 1, 1, 1))
+    assert len(waits) == 1, waits
+    waits = _syncs(lambda: strided_map(c, 2, 2, 0, 1, (7, 8, 8)))  # some inputs dropped
     assert len(waits) == 1, waits
     km = kernel_map(c, out, 2, 2, 0, 1)
 
@@ -132,7 +134,6 @@ def test_strided_map_and_its_backward_on_gpu_equal_cpu(gen, k, s, p):
     implicit GEMM (the default: the map is dense) and explicitly (input gradient by spconv's
     forward kernel, weight gradient by torch GEMMs). A sparse part of the map (as a halo part
     is) stays explicit."""
-    from halo.kmap import strided_map
     from sparsepipe_hpc.engine import spconv_igemm
 
     x = random_cloud(gen, 3000, channels=8, dtype=torch.float32)
@@ -167,7 +168,6 @@ def test_explicit_maps_through_implicit_gemm_on_gpu_equal_cpu(gen, dtype, k, s, 
     transpose through spconv's implicit GEMM on the project's own tables, forward and backward,
     equal the torch engine on the CPU; two same-shape layers on one map (forward 1, forward 2,
     backward 2, backward 1) each get their own gradients."""
-    from halo.kmap import strided_map
     from sparsepipe_hpc.engine import spconv_igemm
 
     x = random_cloud(gen, 3000, channels=8, dtype=torch.float32)
