@@ -332,22 +332,24 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     sorted_keys, by_output = torch.sort(keys)
     first = torch.ones_like(sorted_keys, dtype=torch.bool)
     first[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    # The per-offset counts and the count of distinct keys in one copy: the one host sync.
-    host = torch.cat([value_counts(k, n_k + 1), first.sum().view(1)]).cpu()
-    counts, n_keys = host[:n_k + 1], int(host[n_k + 1])
-    n_pairs = len(c) - int(counts[n_k])
-    dropped = 1 if n_pairs < len(c) else 0  # the slot of key -1
-    uniq = sorted_keys[true_at(first, n_keys)]
-    row = torch.cumsum(first, 0) - (1 + dropped)  # -1 for the dropped inputs (key -1, first)
     # An output has at most one input per offset, so a stable sort by offset of the inputs in
     # output order gives the pairs by (offset, output row); the dropped ones (offset n_k) last.
     # Its keys fit a byte (for strides up to 6): a radix sort of one pass, where sorting
-    # (offset, row) as int64 took eight.
+    # (offset, row) as int64 took eight. The sorted offsets give each offset's pairs by binary
+    # search (no histogram of atomic adds into n_k bins).
     small = torch.uint8 if n_k < 255 else torch.int32
-    by_offset = torch.sort(k[by_output].to(small), stable=True).indices[:n_pairs]
+    offsets, by_offset = torch.sort(k[by_output].to(small), stable=True)
+    bounds = torch.searchsorted(offsets, torch.arange(n_k + 1, dtype=small, device=dev))
+    # Where each offset's pairs start, and the count of distinct keys, in one copy: the one
+    # host sync.
+    host = torch.cat([bounds, first.sum().view(1)]).cpu()
+    n_pairs, n_keys = int(host[n_k]), int(host[n_k + 1])
+    dropped = 1 if n_pairs < len(c) else 0  # the slot of key -1
+    uniq = sorted_keys[true_at(first, n_keys)]
+    row = torch.cumsum(first, 0) - (1 + dropped)  # -1 for the dropped inputs (key -1, first)
+    by_offset = by_offset[:n_pairs]
     in_rows = by_output[by_offset]
-    ptr = torch.zeros(n_k + 1, dtype=torch.int64)
-    ptr[1:] = torch.cumsum(counts[:n_k], 0)
+    ptr = host[:n_k + 1].clone()  # offset j's pairs from its start bounds[j] to bounds[j + 1]
     return decode_keys(uniq[dropped:]), KernelMap(in_rows, row[by_offset], ptr, len(c),
                                                   len(uniq) - dropped)
 
