@@ -90,6 +90,29 @@ def test_misalignment():
         cuts.misalignment(0)
 
 
+@pytest.mark.parametrize("s,stride", [(2, 1), (2, 2), (3, 1), (2, 4)])
+def test_tiling_windows_from_aligned_cuts_keep_their_outputs_in_the_box(s, stride):
+    """What lets a distributed k2s2 layer on aligned cuts skip its ownership test (a device
+    sync): with interior cuts multiples of ``stride * s``, the outputs of a box's inputs under
+    windows of size and stride ``s`` (no padding) all lie in that box, at the output stride."""
+    from halo.kmap import strided_map
+
+    gen = torch.Generator().manual_seed(s * 10 + stride)
+    shape = (24, 30, 18)  # voxels at ``stride``
+    cuts = Cuts(tuple(np.array([0, *sorted(set(int(v) * stride * s for v in
+                                                   torch.randint(1, n // s, (2,), generator=gen))),
+                                n * stride]) for n in shape), align=stride * s)
+    assert cuts.misalignment(s, stride) == 0
+    coords = torch.cat([torch.randint(0, 2, (3000, 1), generator=gen),
+                        torch.stack([torch.randint(0, n, (3000,), generator=gen) for n in shape],
+                                    1)], 1).unique(dim=0).int()
+    where = cuts.locate(coords[:, 1:], stride=stride)
+    for box in {tuple(w) for w in where.tolist()}:
+        mine = coords[(where == torch.tensor(box)).all(1)]
+        out, _ = strided_map(mine, s, s, 0, 1, [n // s for n in shape])
+        assert len(out) and (cuts.locate(out[:, 1:], stride=stride * s) == torch.tensor(box)).all()
+
+
 def test_thickness_rule():
     # x: boxes 2, 6, 1, 7 thick; y: 3, 3; z: one box of 8.
     c = Cuts((np.array([0, 2, 8, 10, 16]), np.array([0, 2, 4]), np.array([0, 8])), align=2)

@@ -226,8 +226,12 @@ class SpatialDomain:
             out = plan.owned_outputs(x.coords, *geometry, out_shape)
         else:  # every input an output of this box reads is in the box (one box, aligned cuts)
             out, local = strided_map(x.coords, *geometry, out_shape)
-            mine = None if alone else self.owned_rows(out, stride=x.stride * s.stride)
-            if mine is not None and not bool(mine.all()):  # (tiling windows keep them all)
+            # Windows that tile the grid from cuts on the output's grid (a U-Net's k2s2) put the
+            # outputs of this box's inputs in this box: no ownership test (a device sync).
+            tiles = (s.kernel_size == s.stride and s.dilation == 1 and s.padding == 0
+                     and misalign == 0)
+            mine = None if alone or tiles else self.owned_rows(out, stride=x.stride * s.stride)
+            if mine is not None and not bool(mine.all()):
                 out, local = out[mine], None
         # A submanifold layer's local part usually runs on the engine's own map (DistMaps.subm):
         # its explicit local pairs are then built only if an engine without one asks.
