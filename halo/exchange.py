@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from halo.plan import HaloPlan
+from halo.plan import HaloPlan, send_runs
 from halo.transport.base import Request, Transport
 
 __all__ = ["ExchangeError", "HaloExchange", "Pending", "halo_exchange", "EXCHANGE_TAG"]
@@ -65,22 +65,6 @@ class Pending:
         return self._result
 
 
-def _runs(blocks: list[torch.Tensor]) -> list[Optional[tuple[int, int]]]:
-    """For each block of rows, (a, b) when it is exactly a, a+1, ..., b-1; else None. One read
-    back to the host for all blocks (on a GPU, reads per block would each wait for the device)."""
-    facts = [torch.stack([r[0], (r[1:] - r[:-1] == 1).all().to(r.dtype)]) for r in blocks
-             if len(r)]
-    read = iter(torch.stack(facts).tolist() if facts else [])
-    out: list[Optional[tuple[int, int]]] = []
-    for r in blocks:
-        if not len(r):
-            out.append(None)
-            continue
-        a, consecutive = next(read)
-        out.append((a, a + len(r)) if consecutive else None)
-    return out
-
-
 class HaloExchange:
     """Exchanges feature rows along ``plan`` through ``transport`` (see the module docstring)."""
 
@@ -89,7 +73,8 @@ class HaloExchange:
         self.transport = transport
         self.tag = int(tag)
         self._recv_offs = plan.recv_offsets
-        self._runs = _runs(plan.send_rows)
+        self._runs = plan.send_runs if plan.send_runs is not None else \
+            send_runs(plan.send_rows)
         # Staging layout: packed (non-range) blocks first, then range blocks (adjoint only), so
         # one index_select / index_add_ covers every packed block.
         packed = [i for i, r in enumerate(self._runs) if r is None]

@@ -47,7 +47,7 @@ from halo.kmap import KernelMap, coord_keys, kernel_map, output_coords, true_at
 from halo.transport.base import Transport
 
 __all__ = ["PlanError", "HaloPlan", "PlanCache", "build_plan", "halo_radius", "boundary_rows",
-           "interior_rows", "select_sends", "halo_boxes", "PLAN_TAG"]
+           "interior_rows", "select_sends", "halo_boxes", "run_facts", "send_runs", "PLAN_TAG"]
 
 PLAN_TAG = 0x4A10  # tags PLAN_TAG (counts) and PLAN_TAG + 1 (coordinates) carry plan messages
 _FAR = 1 << 40     # "infinitely far": edge boxes own everything beyond the extent
@@ -158,6 +158,9 @@ class HaloPlan:
     radius: int = 0
     grid_coords: tuple[int, int, int] = (0, 0, 0)
     cuts: Optional[Cuts] = field(default=None, repr=False)
+    # Per send block, (a, b) when its rows are exactly a, a+1, ..., b-1 (sent as a slice), else
+    # None; None: not known yet (:func:`send_runs` reads it then).
+    send_runs: Optional[list[Optional[tuple[int, int]]]] = field(default=None, repr=False)
 
     @property
     def num_halo(self) -> int:
@@ -253,6 +256,33 @@ def _input_problem(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, stride: 
     return ""
 
 
+def run_facts(blocks: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """int64 [2 x non-empty blocks], on the rows' device: each block's first row and whether its
+    rows run consecutively; None without a non-empty block."""
+    facts = [torch.stack([r[0], (r[1:] - r[:-1] == 1).all().to(r.dtype)]) for r in blocks
+             if len(r)]
+    return torch.cat(facts) if facts else None
+
+
+def send_runs(blocks: list[torch.Tensor], facts: Optional[list[int]] = None
+              ) -> list[Optional[tuple[int, int]]]:
+    """For each block of rows, (a, b) when it is exactly a, a+1, ..., b-1; else None. ``facts``:
+    :func:`run_facts` of the blocks already read back to the host; else one read here for all
+    blocks (on a GPU, a read per block would each wait for the device)."""
+    if facts is None:
+        t = run_facts(blocks)
+        facts = t.tolist() if t is not None else []
+    read = iter(facts)
+    out: list[Optional[tuple[int, int]]] = []
+    for r in blocks:
+        if not len(r):
+            out.append(None)
+            continue
+        a, consecutive = next(read), next(read)
+        out.append((a, a + len(r)) if consecutive else None)
+    return out
+
+
 def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
                stride: int = 1, transport: Optional[Transport] = None,
                tag: int = PLAN_TAG) -> HaloPlan:
@@ -285,13 +315,16 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
     rows = select_sends(coords, boxes, radius) if radius > 0 else \
         [torch.zeros(0, dtype=torch.int64, device=dev) for _ in nbrs]
 
+    send_ranks = [r for r, rw in zip(nbrs, rows) if len(rw)]
+    send_rows = [rw for rw in rows if len(rw)]
+    facts = run_facts(send_rows)
     send_n = [torch.tensor([len(r)]).to(dev, non_blocking=True) for r in rows]
     recv_n = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in nbrs]
     transport.start(list(zip(nbrs, send_n)), list(zip(nbrs, recv_n)), tag).wait()
-    counts = torch.cat(recv_n).tolist() if recv_n else []  # one host copy, not one per neighbour
-
-    send_ranks = [r for r, rw in zip(nbrs, rows) if len(rw)]
-    send_rows = [rw for rw in rows if len(rw)]
+    # The counts received and the send blocks' runs in one host copy (one device wait).
+    read = recv_n + ([facts] if facts is not None else [])
+    host = torch.cat(read).tolist() if read else []
+    counts = host[:len(nbrs)]
     recv_ranks = [r for r, c in zip(nbrs, counts) if c]
     recv_counts = [c for c in counts if c]
     halo = torch.empty(sum(recv_counts), 4, dtype=torch.int32, device=dev)
@@ -300,7 +333,7 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
     sends = [(r, coords[rw].contiguous()) for r, rw in zip(send_ranks, send_rows)]
     transport.start(sends, recvs, tag + 1).wait()
     return HaloPlan(send_ranks, send_rows, recv_ranks, recv_counts, halo, len(coords), stride,
-                    radius, grid.coords, cuts)
+                    radius, grid.coords, cuts, send_runs(send_rows, host[len(nbrs):]))
 
 
 class PlanCache:

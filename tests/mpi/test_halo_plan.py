@@ -95,6 +95,11 @@ def test_halo_equals_brute_force(comm, rng, dims, radius, balanced):
         assert bool((halo.owner_ranks(grid, cuts, block) == r).all())
         k = coord_keys(block)
         assert bool((k[1:] > k[:-1]).all())
+    # Send blocks that are a run of rows (a slice), read with the counts: as read on their own.
+    assert plan.send_runs is not None and len(plan.send_runs) == len(plan.send_rows)
+    for run, rows in zip(plan.send_runs, plan.send_rows):
+        consecutive = bool((rows[1:] - rows[:-1] == 1).all())
+        assert run == ((int(rows[0]), int(rows[0]) + len(rows)) if consecutive else None)
     # What I send rank j is what the reference says j receives from me, in j's order.
     for r, rows in zip(plan.send_ranks, plan.send_rows):
         theirs = reference_halo(cloud, cuts, grid.coords_of(r), radius)
