@@ -324,7 +324,8 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     ok = ((o >= 0) & (o < shape)).all(1)
     n_k = s[0] * s[1] * s[2]
     # Inputs whose output lies outside the grid take key -1, below every voxel's (keys are >= 0),
-    # so they come first among the outputs and are dropped, and offset n_k, a bin of their own.
+    # so they come first among the outputs and are dropped, and offset n_k, past every real
+    # offset, so their pairs sort last (beyond bounds[n_k] below).
     keys = torch.where(ok, coord_keys(torch.cat([c[:, :1], o], 1)), torch.full_like(k, -1))
     k = torch.where(ok, k, torch.full_like(k, n_k))
     # Inputs sorted by their output's key are grouped by output, in output order: a new key

@@ -43,9 +43,10 @@ def _syncs(fn) -> list[str]:
 
 
 def test_kernel_maps_wait_for_the_gpu_once_per_pass(gen):
-    """A kernel map's lookup pass waits once (its hit counts), a k2s2 layer's outputs and map once,
-    and spconv's layout of a map and of its transpose not at all: before, each blocking host-to-device copy of the offsets'
-    bounds waited for the device, 16 times in a U-Net step on an H100."""
+    """A kernel map's lookup pass waits once (its hit counts), a k2s2 layer's outputs and map
+    once, and spconv's layout of a map and of its transpose not at all: before, each blocking
+    host-to-device copy of the offsets' bounds waited for the device, 16 times in a U-Net step
+    on an H100."""
     x = random_cloud(gen, 2000)
     c = x.coords.cuda()
     out = output_coords(c, 2, 2, 0, 1, (8, 8, 8))
