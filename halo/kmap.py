@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 __all__ = ["KernelMap", "kernel_map", "kernel_offsets", "output_coords", "strided_map", "coord_keys",
-           "decode_keys", "lookup", "value_counts", "true_at"]
+           "decode_keys", "lookup", "value_counts", "true_at", "windows_tile"]
 
 _BITS = 18  # bits per spatial axis: coordinates in [-2**17, 2**17); batch index below 2**9
 _HALF = 1 << (_BITS - 1)
@@ -181,7 +181,7 @@ def kernel_map(in_coords: torch.Tensor, out_coords: torch.Tensor,
     looked up together (default: all that fit a work-array budget on a GPU, one on the CPU); the
     map is the same for any value. A kernel equal to its stride takes one lookup per input instead.
     """
-    if _one_output_per_input(kernel_size, stride, dilation):
+    if windows_tile(kernel_size, stride, dilation):
         return _window_map(in_coords, out_coords, _triple(stride), _triple(padding))
     s, p, d = (_on(torch.tensor(_triple(v), dtype=torch.int64), out_coords.device)
                for v in (stride, padding, dilation))
@@ -229,8 +229,8 @@ def true_at(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.nonzero_static(mask, size=count).squeeze(1)
 
 
-def _one_output_per_input(kernel_size: int | Sequence[int], stride: int | Sequence[int],
-                          dilation: int | Sequence[int]) -> bool:
+def windows_tile(kernel_size: int | Sequence[int], stride: int | Sequence[int],
+                 dilation: int | Sequence[int]) -> bool:
     """Kernel equal to stride, no dilation (a U-Net's k2s2): the windows tile the grid, so every
     input lies in exactly one output's window, at one offset."""
     return _triple(kernel_size) == _triple(stride) and _triple(dilation) == (1, 1, 1)
@@ -278,7 +278,7 @@ def output_coords(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     dev = in_coords.device
     shape = _on(torch.tensor(list(out_shape), dtype=torch.int64), dev)
     c = in_coords.long()
-    if _one_output_per_input(kernel_size, stride, dilation):
+    if windows_tile(kernel_size, stride, dilation):
         o, _ = _window(c, _triple(stride), _triple(padding))
         ok = ((o >= 0) & (o < shape)).all(1)
         return decode_keys(torch.unique(coord_keys(torch.cat([c[:, :1], o], 1)[ok])))
@@ -313,7 +313,7 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     that finds the active outputs also gives each input its output row, so there is no lookup,
     and a GPU waits once (the outputs' and the per-offset counts together) instead of six times.
     """
-    if not _one_output_per_input(kernel_size, stride, dilation):
+    if not windows_tile(kernel_size, stride, dilation):
         out = output_coords(in_coords, kernel_size, stride, padding, dilation, out_shape)
         return out, kernel_map(in_coords, out, kernel_size, stride, padding, dilation)
     s = _triple(stride)

@@ -128,8 +128,8 @@ def dense_enough(kmap: KernelMap) -> bool:
 def applies(kmap: object, feats: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``kmap`` is an explicit map this module runs on ``feats``' device: a CUDA device
     listed in :data:`DEVICES`, at most :data:`MAX_OFFSETS` offsets, :func:`dense_enough`, and
-    operands under 2 GiB (cumm's kernels index each with 32 bits; float32
-    assumed, as bfloat16 computes in it)."""
+    operands under 2 GiB (cumm's kernels index each with 32 bits; float32 assumed, as bfloat16
+    computes in it)."""
     if not (isinstance(kmap, KernelMap) and feats.device.type in DEVICES
             and feats.device.type == "cuda" and kmap.num_offsets <= MAX_OFFSETS
             and dense_enough(kmap)):

@@ -39,7 +39,7 @@ import torch
 from halo.cuts import Cuts, CutError, balanced_cuts, uniform_cuts
 from halo.exchange import HaloExchange
 from halo.grid import ProcessGrid
-from halo.kmap import KernelMap, coord_keys, kernel_map, strided_map
+from halo.kmap import KernelMap, coord_keys, kernel_map, strided_map, windows_tile
 from halo.plan import build_plan, halo_radius
 from halo.transport.base import Transport
 from halo.transport.mpi import MPITransport
@@ -228,8 +228,8 @@ class SpatialDomain:
             out, local = strided_map(x.coords, *geometry, out_shape)
             # Windows that tile the grid from cuts on the output's grid (a U-Net's k2s2) put the
             # outputs of this box's inputs in this box: no ownership test (a device sync).
-            tiles = (s.kernel_size == s.stride and s.dilation == 1 and s.padding == 0
-                     and misalign == 0)
+            tiles = windows_tile(s.kernel_size, s.stride, s.dilation) and s.padding == 0 \
+                and misalign == 0
             mine = None if alone or tiles else self.owned_rows(out, stride=x.stride * s.stride)
             if mine is not None and not bool(mine.all()):
                 out, local = out[mine], None
