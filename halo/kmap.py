@@ -18,6 +18,7 @@ the same on CPU and GPU, deterministic.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -304,14 +305,18 @@ def output_coords(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
 
 def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
                 stride: int | Sequence[int], padding: int | Sequence[int],
-                dilation: int | Sequence[int], out_shape: Sequence[int]
-                ) -> tuple[torch.Tensor, KernelMap]:
+                dilation: int | Sequence[int], out_shape: Sequence[int],
+                batch_size: Optional[int] = None) -> tuple[torch.Tensor, KernelMap]:
     """``(out, kernel_map(in_coords, out, ...))`` with ``out = output_coords(in_coords, ...)``,
     equal to those two calls.
 
     Where windows tile the grid (kernel = stride, a U-Net's k2s2) it takes one pass: the sort
     that finds the active outputs also gives each input its output row, so there is no lookup,
     and a GPU waits once (the outputs' and the per-offset counts together) instead of six times.
+    ``batch_size``: where given, the batch indices must lie in ``[0, batch_size)`` (ValueError
+    otherwise), and where ``batch_size x out_shape`` voxels number under 2**31 that pass sorts
+    int32 keys (``((b X + x) Y + y) Z + z``, the same order as :func:`coord_keys`'): half the
+    radix passes of int64 ones on a GPU, 2-3x faster on a CPU.
     """
     if not windows_tile(kernel_size, stride, dilation):
         out = output_coords(in_coords, kernel_size, stride, padding, dilation, out_shape)
@@ -323,10 +328,16 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     shape = _on(torch.tensor(list(out_shape), dtype=torch.int64), dev)
     ok = ((o >= 0) & (o < shape)).all(1)
     n_k = s[0] * s[1] * s[2]
+    narrow = batch_size is not None and batch_size * math.prod(out_shape) < 2**31
     # Inputs whose output lies outside the grid take key -1, below every voxel's (keys are >= 0),
     # so they come first among the outputs and are dropped, and offset n_k, past every real
     # offset, so their pairs sort last (beyond bounds[n_k] below).
-    keys = torch.where(ok, coord_keys(torch.cat([c[:, :1], o], 1)), torch.full_like(k, -1))
+    if narrow:
+        x_, y_, z_ = (int(v) for v in out_shape)
+        lin = ((c[:, 0] * x_ + o[:, 0]) * y_ + o[:, 1]) * z_ + o[:, 2]
+        keys = torch.where(ok, lin, torch.full_like(lin, -1)).int()
+    else:
+        keys = torch.where(ok, coord_keys(torch.cat([c[:, :1], o], 1)), torch.full_like(k, -1))
     k = torch.where(ok, k, torch.full_like(k, n_k))
     # Inputs sorted by their output's key are grouped by output, in output order: a new key
     # starts a new output row.
@@ -341,18 +352,33 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     small = torch.uint8 if n_k < 255 else torch.int32
     offsets, by_offset = torch.sort(k[by_output].to(small), stable=True)
     bounds = torch.searchsorted(offsets, torch.arange(n_k + 1, dtype=small, device=dev))
-    # Where each offset's pairs start, and the count of distinct keys, in one copy: the one
-    # host sync.
-    host = torch.cat([bounds, first.sum().view(1)]).cpu()
+    # Where each offset's pairs start, the count of distinct keys and of batch indices out of
+    # range, in one copy: the one host sync.
+    read = [bounds, first.sum().view(1)]
+    if batch_size is not None:
+        read.append(((c[:, 0] < 0) | (c[:, 0] >= batch_size)).sum().view(1))
+    host = torch.cat(read).cpu()
     n_pairs, n_keys = int(host[n_k]), int(host[n_k + 1])
+    if batch_size is not None and int(host[n_k + 2]):
+        raise ValueError(f"strided_map: {int(host[n_k + 2])} of {len(c)} input rows have a batch "
+                         f"index outside [0, batch_size={batch_size})")
     dropped = 1 if n_pairs < len(c) else 0  # the slot of key -1
-    uniq = sorted_keys[true_at(first, n_keys)]
+    uniq = sorted_keys[true_at(first, n_keys)][dropped:]
     row = torch.cumsum(first, 0) - (1 + dropped)  # -1 for the dropped inputs (key -1, first)
     by_offset = by_offset[:n_pairs]
     in_rows = by_output[by_offset]
     ptr = host[:n_k + 1].clone()  # offset j's pairs from its start bounds[j] to bounds[j + 1]
-    return decode_keys(uniq[dropped:]), KernelMap(in_rows, row[by_offset], ptr, len(c),
-                                                  len(uniq) - dropped)
+    out = _decode_linear(uniq, out_shape) if narrow else decode_keys(uniq)
+    return out, KernelMap(in_rows, row[by_offset], ptr, len(c), len(uniq))
+
+
+def _decode_linear(keys: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """int32 [N, 4] (batch, x, y, z) of :func:`strided_map`'s int32 keys over ``shape``."""
+    cols = []
+    for n in reversed([int(v) for v in shape]):
+        cols.append(keys % n)
+        keys = keys // n
+    return torch.stack([keys, *reversed(cols)], 1).int()
 
 
 def key_batch(keys: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,7 @@ def serial_entry(x: SparseTensor, spec: ConvSpec, key: str) -> ConvEntry:
     def build() -> ConvEntry:
         out_shape = spec.out_shape(x.spatial_shape)
         out, km = (x.coords, None) if spec.subm else strided_map(x.coords, *spec.geometry,
-                                                                 out_shape)
+                                                                 out_shape, x.batch_size)
         return ConvEntry(spec, x.coords, out, x.spatial_shape, out_shape, x.stride, km,
                          batch_size=x.batch_size)
 

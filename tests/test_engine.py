@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -378,20 +380,37 @@ def test_tiling_windows_take_one_lookup_per_input_with_the_same_result(gen, monk
 def test_strided_map_equals_output_coords_then_kernel_map(gen, k, s, p, n):
     """One pass for tiling windows (the sort that finds the outputs numbers them), the two calls
     otherwise: the same outputs and the same pairs in the same CSR order, also where inputs fall
-    in no full window, where none is left, and with no inputs."""
+    in no full window, where none is left, and with no inputs; with the batch size given (int32
+    keys, in the same order) as without."""
     shape = (15, 16, 13)
     x = random_cloud(gen, max(n, 1), shape=shape, batch=3)
     coords = x.coords[torch.randperm(len(x.coords), generator=gen)][:n]
     ks, ss, ps = (v if isinstance(v, tuple) else (v,) * 3 for v in (k, s, p))
     out_shape = tuple((m + 2 * pa - ka) // sa + 1 for m, ka, sa, pa in zip(shape, ks, ss, ps))
-    for c in (coords, coords[(coords[:, 1:] >= 14).any(1)]):  # the second: edge voxels alone
-        out, km = strided_map(c, k, s, p, 1, out_shape)
+    edge = coords[(coords[:, 1:] >= 14).any(1)]  # edge voxels alone
+    for c, batch_size in itertools.product((coords, edge), (None, 3)):
+        out, km = strided_map(c, k, s, p, 1, out_shape, batch_size)
         ref_out = output_coords(c, k, s, p, 1, out_shape)
         ref = kernel_map(c, ref_out, k, s, p, 1)
         assert torch.equal(out, ref_out) and out.dtype == ref_out.dtype
         assert torch.equal(km.ptr, ref.ptr) and torch.equal(km.in_rows, ref.in_rows)
         assert torch.equal(km.out_rows, ref.out_rows) and km.in_rows.dtype == ref.in_rows.dtype
         assert (km.n_in, km.n_out) == (ref.n_in, ref.n_out)
+
+
+def test_strided_map_checks_the_batch_size_it_is_given(gen):
+    """The batch size bounds the batch indices: a row beyond it is an error, not a key that
+    wraps into another voxel's; a batch too large for int32 keys takes the int64 ones."""
+    x = random_cloud(gen, 300, shape=(16, 16, 16), batch=2)
+    with pytest.raises(ValueError, match=rf"1 of {len(x.coords)} input rows have a batch index "
+                                         r"outside \[0, batch_size=2\)"):
+        strided_map(torch.cat([x.coords[1:], x.coords.new_tensor([[2, 0, 0, 0]])]), 2, 2, 0, 1,
+                    (8, 8, 8), batch_size=2)
+    ref = strided_map(x.coords, 2, 2, 0, 1, (8, 8, 8))
+    for batch_size in (2, 2**31 // 8**3):  # int32 keys; beyond them
+        out, km = strided_map(x.coords, 2, 2, 0, 1, (8, 8, 8), batch_size=batch_size)
+        assert torch.equal(out, ref[0]) and torch.equal(km.in_rows, ref[1].in_rows)
+        assert torch.equal(km.out_rows, ref[1].out_rows) and torch.equal(km.ptr, ref[1].ptr)
 
 
 def test_select_keeps_csr_by_offset(gen):

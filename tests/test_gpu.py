@@ -52,8 +52,9 @@ def test_kernel_maps_wait_for_the_gpu_once_per_pass(gen):
     out = output_coords(c, 2, 2, 0, 1, (8, 8, 8))
     waits = _syncs(lambda: kernel_map(c, c, 3, 1, 1, 1))
     assert len(waits) == 1, waits
-    waits = _syncs(lambda: strided_map(c, 2, 2, 0, 1, (7, 8, 8)))  # some inputs dropped
-    assert len(waits) == 1, waits
+    for batch_size in (None, x.batch_size):  # int64 keys; int32 ones, the batch bound checked
+        waits = _syncs(lambda: strided_map(c, 2, 2, 0, 1, (7, 8, 8), batch_size))  # some dropped
+        assert len(waits) == 1, waits
     km = kernel_map(c, out, 2, 2, 0, 1)
 
     def layouts() -> None:  # on a new map each call: the layout is kept on the map
@@ -141,10 +142,11 @@ def test_strided_map_and_its_backward_on_gpu_equal_cpu(gen, k, s, p):
     shape = tuple(int(v) + 1 for v in x.coords[:, 1:].max(0).values)
     out_shape = tuple((n + 2 * p - k) // s + 1 for n in shape)
     out, km = strided_map(x.coords, k, s, p, 1, out_shape)
-    out_g, km_g = strided_map(x.coords.cuda(), k, s, p, 1, out_shape)
-    assert torch.equal(out_g.cpu(), out) and torch.equal(km_g.ptr, km.ptr)
-    assert torch.equal(km_g.in_rows.cpu(), km.in_rows)
-    assert torch.equal(km_g.out_rows.cpu(), km.out_rows)
+    for batch_size in (x.batch_size, None):  # int32 keys (where windows tile), int64 ones
+        out_g, km_g = strided_map(x.coords.cuda(), k, s, p, 1, out_shape, batch_size)
+        assert torch.equal(out_g.cpu(), out) and torch.equal(km_g.ptr, km.ptr)
+        assert torch.equal(km_g.in_rows.cpu(), km.in_rows)
+        assert torch.equal(km_g.out_rows.cpu(), km.out_rows)
     w = torch.randn(16, k ** 3, 8, generator=gen) / 10
     g = torch.randn(km.n_out, 16, generator=gen)
     ref_gi, ref_gw = get_engine("torch").backward(x.feats, w, g, km)

@@ -267,7 +267,7 @@ def kernel_maps_table(x: SparseTensor, depth: int, device: torch.device, repeats
         for i, (c, shape) in enumerate(lv):
             subm_map(c, shape, x.batch_size, 3, 1)
             if i < depth:
-                _, km = strided_map(c, 2, 2, 0, 1, [s // 2 for s in shape])
+                _, km = strided_map(c, 2, 2, 0, 1, [s // 2 for s in shape], x.batch_size)
                 if igemm:
                     spconv_igemm.tables(km)
 

@@ -225,7 +225,7 @@ class SpatialDomain:
         elif plan is not None:
             out = plan.owned_outputs(x.coords, *geometry, out_shape)
         else:  # every input an output of this box reads is in the box (one box, aligned cuts)
-            out, local = strided_map(x.coords, *geometry, out_shape)
+            out, local = strided_map(x.coords, *geometry, out_shape, x.batch_size)
             # Windows that tile the grid from cuts on the output's grid (a U-Net's k2s2) put the
             # outputs of this box's inputs in this box: no ownership test (a device sync).
             tiles = windows_tile(s.kernel_size, s.stride, s.dilation) and s.padding == 0 \
