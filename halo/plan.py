@@ -120,26 +120,32 @@ def select_sends(coords: torch.Tensor, boxes: Sequence[tuple[np.ndarray, np.ndar
     """
     if not boxes:
         return []
-    keys = coord_keys(coords)
-    order = torch.sort(keys)[1]  # rows by key, so every selection comes out sorted
+    order = torch.sort(coord_keys(coords))[1]  # rows by key, so every selection comes out sorted
+    return _rows_inside(order, _inside(coords, order, boxes, radius), batched=coords.is_cuda)
+
+
+def _inside(coords: torch.Tensor, order: torch.Tensor,
+            boxes: Sequence[tuple[np.ndarray, np.ndarray]], radius: int) -> list[torch.Tensor]:
+    """bool [N] per box: whether row ``order[j]`` of ``coords`` lies within ``radius`` of it."""
     xyz = coords[order, 1:].long()
     # Bounds copied without blocking: a blocking host-to-device copy waits for the device.
-    inside = [((xyz >= torch.as_tensor(lo - radius).to(xyz.device, non_blocking=True))
-               & (xyz < torch.as_tensor(hi + radius).to(xyz.device, non_blocking=True))).all(1)
-              for lo, hi in boxes]
-    return _rows_inside(order, inside, batched=xyz.is_cuda)
+    return [((xyz >= torch.as_tensor(lo - radius).to(xyz.device, non_blocking=True))
+             & (xyz < torch.as_tensor(hi + radius).to(xyz.device, non_blocking=True))).all(1)
+            for lo, hi in boxes]
 
 
-def _rows_inside(order: torch.Tensor, inside: list[torch.Tensor],
-                 batched: bool) -> list[torch.Tensor]:
+def _rows_inside(order: torch.Tensor, inside: list[torch.Tensor], batched: bool,
+                 counts: Optional[list[int]] = None) -> list[torch.Tensor]:
     """``order[m]`` for every mask ``m`` of ``inside``. Batched (on a GPU, where each boolean
-    selection is a host sync): the masks' counts in one copy to the host, then one selection
-    for all masks that needs no more (:func:`~halo.kmap.true_at`), one sync instead of one per
-    mask; on the CPU one selection per mask is faster (no [B, N] stack)."""
+    selection is a host sync): the masks' counts in one copy to the host (or ``counts``, the
+    masks' sums read already), then one selection for all masks that needs no more
+    (:func:`~halo.kmap.true_at`), one sync instead of one per mask; on the CPU one selection per
+    mask is faster (no [B, N] stack)."""
     if not batched:
         return [order[m] for m in inside]
     stacked = torch.stack(inside)  # [B, N]
-    counts = stacked.sum(1).tolist()  # the one host sync
+    if counts is None:
+        counts = stacked.sum(1).tolist()  # the one host sync
     flat = true_at(stacked.reshape(-1), sum(counts))  # mask by mask, each in order's order
     return list(torch.split(order[flat % stacked.shape[1]], counts))
 
@@ -229,30 +235,43 @@ def interior_rows(halo_map: KernelMap) -> torch.Tensor:
     return torch.nonzero(mask).reshape(-1)
 
 
-def _input_problem(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, stride: int) -> str:
+def _shape_problem(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor) -> str:
+    """What is wrong with the arguments' shapes and types, read without the device; "" if
+    nothing."""
     if tuple(cuts.dims) != tuple(grid.dims):
         return f"cuts are for a grid {cuts.dims} but the process grid is {grid.dims}"
     if coords.ndim != 2 or coords.shape[1] != 4:
         return f"coords has shape {tuple(coords.shape)}; expected [N, 4] (batch, x, y, z)"
     if coords.dtype not in (torch.int32, torch.int64):
         return f"coords has dtype {coords.dtype}; expected int32"
-    if len(coords):
-        g = cuts.locate(coords[:, 1:], stride)
-        mine = torch.tensor(grid.coords).to(g.device, non_blocking=True)
-        bad = (g != mine).any(1)
-        keys, order = torch.sort(coord_keys(coords))
-        dup = keys[1:] == keys[:-1]
-        n_bad, n_dup = torch.stack([bad.sum(), dup.sum()]).tolist()  # one host sync for both
-        if n_bad:
-            row = int(torch.nonzero(bad)[0])
-            return (f"coords row {row} is {coords[row].tolist()}, owned by grid position "
-                    f"{tuple(g[row].tolist())}, not by this rank's {grid.coords} (stride {stride}, "
-                    f"{n_bad} such rows); pass the voxels this rank owns (halo.distribute)")
-        if n_dup:
-            first = int(torch.nonzero(dup)[0])
-            i, j = sorted((int(order[first]), int(order[first + 1])))
-            return (f"coords rows {i} and {j} are the same voxel {coords[i].tolist()} "
-                    f"({n_dup} duplicates); rows must be unique")
+    return ""
+
+
+def _contract_checks(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, stride: int,
+                     sorted_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the rows' device, nothing read back: (grid position of each row int64 [N, 3], rows
+    outside this rank's box bool [N], keys equal to the next sorted one bool [max(N - 1, 0)])."""
+    g = torch.as_tensor(cuts.locate(coords[:, 1:], stride))
+    mine = torch.tensor(grid.coords).to(g.device, non_blocking=True)
+    return g, (g != mine).any(1), sorted_keys[1:] == sorted_keys[:-1]
+
+
+def _coords_problem(grid: ProcessGrid, coords: torch.Tensor, stride: int,
+                    checks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], order: torch.Tensor,
+                    n_bad: int, n_dup: int) -> str:
+    """The first row that breaks the contract, named, from :func:`_contract_checks` and its two
+    counts (read already); "" if none."""
+    g, bad, dup = checks
+    if n_bad:
+        row = int(torch.nonzero(bad)[0])
+        return (f"coords row {row} is {coords[row].tolist()}, owned by grid position "
+                f"{tuple(g[row].tolist())}, not by this rank's {grid.coords} (stride {stride}, "
+                f"{n_bad} such rows); pass the voxels this rank owns (halo.distribute)")
+    if n_dup:
+        first = int(torch.nonzero(dup)[0])
+        i, j = sorted((int(order[first]), int(order[first + 1])))
+        return (f"coords rows {i} and {j} are the same voxel {coords[i].tolist()} "
+                f"({n_dup} duplicates); rows must be unique")
     return ""
 
 
@@ -296,7 +315,19 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
     if radius < 0:
         raise PlanError(f"radius is {radius}; it must be >= 0")
     cuts.check_thickness(radius, stride)  # pure: raises alike on every rank
-    problem = _input_problem(grid, cuts, coords, stride)
+    problem = _shape_problem(grid, cuts, coords)
+    nbrs = [r for r, _ in grid.neighbours()]
+    if not problem:
+        # One key sort serves the contract's duplicate test and the send selection, and the
+        # counts of both come back in one copy: one device wait, where each took its own.
+        sorted_keys, order = torch.sort(coord_keys(coords))
+        checks = _contract_checks(grid, cuts, coords, stride, sorted_keys)
+        boxes = [halo_boxes(cuts, grid.coords_of(r), stride) for r in nbrs]
+        inside = _inside(coords, order, boxes, radius) if radius > 0 and nbrs else []
+        batched = coords.is_cuda and bool(inside)
+        read = [checks[1].sum().view(1), checks[2].sum().view(1)]
+        host = torch.cat(read + ([torch.stack(inside).sum(1)] if batched else [])).tolist()
+        problem = _coords_problem(grid, coords, stride, checks, order, host[0], host[1])
     # Agree first, so that one rank's bad rows stop every rank before the point-to-point phase.
     flags = np.array([1 if problem else 0], np.int64)
     grid.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.SUM)
@@ -308,13 +339,10 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
         from halo.transport.mpi import MPITransport
 
         transport = MPITransport(grid.comm)
-    coords = coords.int()
     dev = coords.device
-    nbrs = [r for r, _ in grid.neighbours()]
-    boxes = [halo_boxes(cuts, grid.coords_of(r), stride) for r in nbrs]
-    rows = select_sends(coords, boxes, radius) if radius > 0 else \
+    rows = _rows_inside(order, inside, batched, host[2:]) if inside else \
         [torch.zeros(0, dtype=torch.int64, device=dev) for _ in nbrs]
-
+    coords = coords.int()
     send_ranks = [r for r, rw in zip(nbrs, rows) if len(rw)]
     send_rows = [rw for rw in rows if len(rw)]
     facts = run_facts(send_rows)

@@ -124,3 +124,42 @@ def test_staged_reducer_on_cuda(comm, dtype):
     for k, t in enumerate(ts):
         want = (base * total + k * comm.size).to(dtype)
         assert torch.equal(t, want), (k, t, want)
+
+
+def test_a_halo_plan_on_cuda_waits_for_the_device_twice(comm):
+    """build_plan reads the device twice: its contract checks with its send counts (one key sort
+    for both), then the counts received with its send blocks' runs (before, the checks and the
+    selection each read on their own: 3 waits per plan, 15 per 2-rank U-Net step on an H100).
+    The plan equals the CPU one."""
+    import warnings
+
+    import halo
+    from halo.plan import build_plan
+    from halo.transport.staged import StagedTransport
+    from halo.transport.streams import CudaDevice
+
+    if comm.size < 2:
+        pytest.skip("a plan with neighbours needs 2 ranks")
+    grid = halo.ProcessGrid(comm, (comm.size, 1, 1))
+    x = make_cloud(5, "random", batch=2)
+    cuts = halo.uniform_cuts(x.spatial_shape, grid.dims)
+    mine = x.coords[halo.owner_ranks(grid, cuts, x.coords) == grid.rank]
+    transport = StagedTransport(halo.MPITransport(grid.comm), CudaDevice())
+    coords = mine.cuda()
+    build_plan(grid, cuts, coords, 1, transport=transport)  # warm-up: first use allocates
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            plan = build_plan(grid, cuts, coords, 1, transport=transport)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    waits = [f"{w.filename}:{w.lineno}" for w in caught
+             if "synchroniz" in str(w.message) and w.filename.endswith("halo/plan.py")]
+    assert len(waits) == 2, waits
+    ref = build_plan(grid, cuts, mine, 1)
+    assert (plan.send_ranks, plan.recv_ranks) == (ref.send_ranks, ref.recv_ranks)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(plan.send_rows, ref.send_rows))
+    assert torch.equal(plan.halo_coords.cpu(), ref.halo_coords) and plan.num_halo > 0
+    assert plan.send_runs == ref.send_runs
