@@ -75,6 +75,7 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
         assert bn["time_ratio_project_over_torch"] > 0
     km = r["kernel_maps"]
     assert km["project"]["median_s"] > 0 and km["spconv"]["median_s"] > 0
+    assert km["project_strided"]["median_s"] > 0 and km["ratio_strided_project_over_spconv"] > 0
 
 
 def test_triton_variants_are_skipped_with_the_reason_where_they_cannot_run(tmp_path):

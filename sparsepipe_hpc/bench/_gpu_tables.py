@@ -239,7 +239,8 @@ def kernel_maps_table(x: SparseTensor, depth: int, device: torch.device, repeats
     """Index building for a U-Net of ``depth`` levels: project (what its layers build: spconv's
     own submanifold indices, :func:`~halo.kmap.strided_map` for each k2s2 layer and, where its
     layers run them, the map's implicit-GEMM tables) versus spconv's indices for the same
-    layers."""
+    layers; and the strided layers' part alone (``project_strided``, ``spconv_strided``), where
+    the two differ."""
     from spconv.core import ConvAlgo
     from spconv.pytorch import ops
 
@@ -263,9 +264,10 @@ def kernel_maps_table(x: SparseTensor, depth: int, device: torch.device, repeats
 
     lv = levels()
 
-    def project() -> None:
+    def project(subm: bool = True) -> None:
         for i, (c, shape) in enumerate(lv):
-            subm_map(c, shape, x.batch_size, 3, 1)
+            if subm:
+                subm_map(c, shape, x.batch_size, 3, 1)
             if i < depth:
                 _, km = strided_map(c, 2, 2, 0, 1, [s // 2 for s in shape], x.batch_size)
                 if igemm:
@@ -275,9 +277,11 @@ def kernel_maps_table(x: SparseTensor, depth: int, device: torch.device, repeats
         for c, _ in lv:
             kernel_map(c, c, 3, 1, 1, 1)
 
-    def spconv_own() -> None:
+    def spconv_own(with_subm: bool = True) -> None:
         for i, (c, shape) in enumerate(lv):
             for subm, ks, st in ((True, 3, 1), (False, 2, 2)) if i < depth else ((True, 3, 1),):
+                if subm and not with_subm:
+                    continue
                 args = (c, x.batch_size, shape)
                 geo = dict(ksize=[ks] * 3, stride=[st] * 3, padding=[0] * 3, dilation=[1] * 3,
                            out_padding=[0] * 3, subm=subm, transpose=False)
@@ -289,7 +293,11 @@ def kernel_maps_table(x: SparseTensor, depth: int, device: torch.device, repeats
                                          geo["padding"], geo["dilation"], geo["out_padding"],
                                          subm, False)
 
-    out: dict[str, Any] = time_alternating({"project": project, "spconv": spconv_own,
-                                            "explicit_subm_maps": explicit_subm}, device, repeats)
+    out: dict[str, Any] = time_alternating(
+        {"project": project, "spconv": spconv_own, "explicit_subm_maps": explicit_subm,
+         "project_strided": lambda: project(subm=False),
+         "spconv_strided": lambda: spconv_own(with_subm=False)}, device, repeats)
     out["ratio_project_over_spconv"] = out["project"]["median_s"] / out["spconv"]["median_s"]
+    out["ratio_strided_project_over_spconv"] = (out["project_strided"]["median_s"]
+                                                / out["spconv_strided"]["median_s"])
     return out
