@@ -313,9 +313,9 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     Where windows tile the grid (kernel = stride, a U-Net's k2s2) it takes one pass: the sort
     that finds the active outputs also gives each input its output row, so there is no lookup,
     and a GPU waits once (the outputs' and the per-offset counts together) instead of six times.
-    ``batch_size``: where given, the batch indices must lie in ``[0, batch_size)`` (ValueError
-    otherwise), and where ``batch_size x out_shape`` voxels number under 2**31 that pass sorts
-    int32 keys (``((b X + x) Y + y) Z + z``, the same order as :func:`coord_keys`'): half the
+    ``batch_size`` (read where windows tile): the batch indices must lie in ``[0, batch_size)``
+    (ValueError otherwise), and where ``batch_size x out_shape`` voxels number under 2**31 that
+    pass sorts int32 keys (``((b X + x) Y + y) Z + z``, the same order as :func:`coord_keys`'): half the
     radix passes of int64 ones on a GPU, 2-3x faster on a CPU.
     """
     if not windows_tile(kernel_size, stride, dilation):
@@ -333,8 +333,8 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     # so they come first among the outputs and are dropped, and offset n_k, past every real
     # offset, so their pairs sort last (beyond bounds[n_k] below).
     if narrow:
-        x_, y_, z_ = (int(v) for v in out_shape)
-        lin = ((c[:, 0] * x_ + o[:, 0]) * y_ + o[:, 1]) * z_ + o[:, 2]
+        nx, ny, nz = (int(v) for v in out_shape)
+        lin = ((c[:, 0] * nx + o[:, 0]) * ny + o[:, 1]) * nz + o[:, 2]
         keys = torch.where(ok, lin, torch.full_like(lin, -1)).int()
     else:
         keys = torch.where(ok, coord_keys(torch.cat([c[:, :1], o], 1)), torch.full_like(k, -1))

@@ -317,6 +317,8 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
     cuts.check_thickness(radius, stride)  # pure: raises alike on every rank
     problem = _shape_problem(grid, cuts, coords)
     nbrs = [r for r, _ in grid.neighbours()]
+    inside: list[torch.Tensor] = []
+    batched, checked = False, []
     if not problem:
         # One key sort serves the contract's duplicate test and the send selection, and the
         # counts of both come back in one copy: one device wait, where each took its own.
@@ -325,9 +327,9 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
         boxes = [halo_boxes(cuts, grid.coords_of(r), stride) for r in nbrs]
         inside = _inside(coords, order, boxes, radius) if radius > 0 and nbrs else []
         batched = coords.is_cuda and bool(inside)
-        read = [checks[1].sum().view(1), checks[2].sum().view(1)]
-        host = torch.cat(read + ([torch.stack(inside).sum(1)] if batched else [])).tolist()
-        problem = _coords_problem(grid, coords, stride, checks, order, host[0], host[1])
+        sums = [checks[1].sum().view(1), checks[2].sum().view(1)]
+        checked = torch.cat(sums + ([torch.stack(inside).sum(1)] if batched else [])).tolist()
+        problem = _coords_problem(grid, coords, stride, checks, order, checked[0], checked[1])
     # Agree first, so that one rank's bad rows stop every rank before the point-to-point phase.
     flags = np.array([1 if problem else 0], np.int64)
     grid.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.SUM)
@@ -340,7 +342,7 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
 
         transport = MPITransport(grid.comm)
     dev = coords.device
-    rows = _rows_inside(order, inside, batched, host[2:]) if inside else \
+    rows = _rows_inside(order, inside, batched, checked[2:]) if inside else \
         [torch.zeros(0, dtype=torch.int64, device=dev) for _ in nbrs]
     coords = coords.int()
     send_ranks = [r for r, rw in zip(nbrs, rows) if len(rw)]
