@@ -167,6 +167,9 @@ class HaloPlan:
     # Per send block, (a, b) when its rows are exactly a, a+1, ..., b-1 (sent as a slice), else
     # None; None: not known yet (:func:`send_runs` reads it then).
     send_runs: Optional[list[Optional[tuple[int, int]]]] = field(default=None, repr=False)
+    # int64 [E], ascending: the rows sent to any neighbour, i.e. those within ``radius`` of a
+    # neighbour's box, the only ones whose stencils can reach a halo row (None: not known).
+    edge_rows: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def num_halo(self) -> int:
@@ -201,6 +204,28 @@ class HaloPlan:
         local = km.select(is_local, n_in=self.num_local)
         halo = km.select(~is_local, n_in=self.num_halo, in_rows=km.in_rows - self.num_local)
         return local, halo
+
+    def subm_halo_map(self, local_coords: torch.Tensor, kernel_size: int | Sequence[int],
+                      dilation: int | Sequence[int] = 1) -> KernelMap:
+        """The halo part of a submanifold convolution over this rank's voxels: halo rows
+        (0..H-1) -> local rows, equal to ``kernel_map(halo_coords, local_coords, ...)``.
+
+        A halo voxel lies in a neighbour's box, so only a row within the plan's radius of such a
+        box can read one: only :attr:`edge_rows` are looked up (a 2-rank split of 114k voxels:
+        481 rows, 2 ms instead of 60 ms on one CPU core). The radius must cover the kernel's
+        reach (:func:`halo_radius`), as for the plan's own halo.
+        """
+        if local_coords.ndim != 2 or len(local_coords) != self.num_local:
+            raise PlanError(f"local_coords has shape {tuple(local_coords.shape)}; the plan was "
+                            f"built for {self.num_local} local rows")
+        k, d = _triple(kernel_size), _triple(dilation)
+        pad = [di * (ki // 2) for ki, di in zip(k, d)]
+        if self.edge_rows is None:
+            return kernel_map(self.halo_coords, local_coords, k, 1, pad, d)
+        km = kernel_map(self.halo_coords, local_coords[self.edge_rows], k, 1, pad, d)
+        # Edge rows ascend, so the pairs keep the full map's order (by offset, then output row).
+        return KernelMap(km.in_rows, self.edge_rows[km.out_rows], km.ptr, self.num_halo,
+                         self.num_local)
 
     def owned_outputs(self, local_coords: torch.Tensor, kernel_size: int | Sequence[int],
                       stride: int | Sequence[int], padding: int | Sequence[int],
@@ -348,12 +373,16 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
     send_ranks = [r for r, rw in zip(nbrs, rows) if len(rw)]
     send_rows = [rw for rw in rows if len(rw)]
     facts = run_facts(send_rows)
+    edge = torch.zeros(len(coords), dtype=torch.bool, device=dev)
+    for rw in send_rows:
+        edge[rw] = True
     send_n = [torch.tensor([len(r)]).to(dev, non_blocking=True) for r in rows]
     recv_n = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in nbrs]
     transport.start(list(zip(nbrs, send_n)), list(zip(nbrs, recv_n)), tag).wait()
-    # The counts received and the send blocks' runs in one host copy (one device wait).
-    read = recv_n + ([facts] if facts is not None else [])
-    host = torch.cat(read).tolist() if read else []
+    # The counts received, the edge rows' count and the send blocks' runs in one host copy (one
+    # device wait).
+    read = recv_n + [edge.sum().view(1)] + ([facts] if facts is not None else [])
+    host = torch.cat(read).tolist()
     counts = host[:len(nbrs)]
     recv_ranks = [r for r, c in zip(nbrs, counts) if c]
     recv_counts = [c for c in counts if c]
@@ -363,7 +392,8 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
     sends = [(r, coords[rw].contiguous()) for r, rw in zip(send_ranks, send_rows)]
     transport.start(sends, recvs, tag + 1).wait()
     return HaloPlan(send_ranks, send_rows, recv_ranks, recv_counts, halo, len(coords), stride,
-                    radius, grid.coords, cuts, send_runs(send_rows, host[len(nbrs):]))
+                    radius, grid.coords, cuts, send_runs(send_rows, host[len(nbrs) + 1:]),
+                    true_at(edge, host[len(nbrs)]))
 
 
 class PlanCache:

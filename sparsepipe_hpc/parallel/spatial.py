@@ -247,9 +247,9 @@ class SpatialDomain:
                 local = build_local()
             maps = DistMaps(local, None, build_local=build_local)
         elif native:
-            # The halo pairs alone: a lookup of the outputs' stencils among the halo voxels gives
-            # exactly the halo half of the split map (each output has one input per offset).
-            halo = kernel_map(plan.halo_coords, out, *geometry)
+            # The halo pairs alone: a lookup of the edge rows' stencils among the halo voxels
+            # gives exactly the halo half of the split map (each output has one input per offset).
+            halo = plan.subm_halo_map(x.coords, s.kernel_size, s.dilation)
             maps = DistMaps(None, halo, HaloExchange(plan, self.group.transport), self.group,
                             build_local=build_local)
         else:

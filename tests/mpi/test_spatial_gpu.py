@@ -128,9 +128,9 @@ def test_staged_reducer_on_cuda(comm, dtype):
 
 def test_a_halo_plan_on_cuda_waits_for_the_device_twice(comm):
     """build_plan reads the device twice: its contract checks with its send counts (one key sort
-    for both), then the counts received with its send blocks' runs (before, the checks and the
-    selection each read on their own: 3 waits per plan, 15 per 2-rank U-Net step on an H100).
-    The plan equals the CPU one."""
+    for both), then the counts received with its edge rows' count and its send blocks' runs
+    (before, the checks and the selection each read on their own: 3 waits per plan, 15 per
+    2-rank U-Net step on an H100). The plan equals the CPU one."""
     import warnings
 
     import halo
@@ -162,4 +162,4 @@ def test_a_halo_plan_on_cuda_waits_for_the_device_twice(comm):
     assert (plan.send_ranks, plan.recv_ranks) == (ref.send_ranks, ref.recv_ranks)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(plan.send_rows, ref.send_rows))
     assert torch.equal(plan.halo_coords.cpu(), ref.halo_coords) and plan.num_halo > 0
-    assert plan.send_runs == ref.send_runs
+    assert plan.send_runs == ref.send_runs and torch.equal(plan.edge_rows.cpu(), ref.edge_rows)
