@@ -36,7 +36,7 @@ carry out; :mod:`sparsepipe_hpc.nn.models`), on the device the batch lives on:
   the seconds to build it; a pipeline stage rebuilds the maps made before it
   (:meth:`ModelProfile.rebuild_costs`, added to its stages by the search).
 * ``split`` (:class:`~sparsepipe_hpc.plan.split.SplitFit`): the seconds a spatial split adds
-  to the block (halo plans, kernel maps over box + halo, halo-pair compute), measured by
+  to the block (halo plans, the halo parts of its maps, halo-pair compute), measured by
   playing the busiest box of a few grids (:func:`~sparsepipe_hpc.plan.split.split_probe`) and
   fitted in box voxels and surface voxels.
 * ``peak_bytes`` of the whole run (CUDA only; ``None`` on CPU, where torch keeps no peak).

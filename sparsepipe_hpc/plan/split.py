@@ -6,16 +6,17 @@
     fits[1](box_voxels=20000, surface=700)      # extra seconds of block 1 on a split grid
 
 On a grid of more than one box, every submanifold convolution key (``subm:k3:d1:s2``...) of a
-step builds, besides the serial kernel map of its box, a halo plan (select the rows within
-``r`` of each of the up to 26 neighbour boxes, :func:`halo.plan.select_sends`) and a kernel
-map over the box's voxels plus the halo voxels, split into a local and a halo map
-(:meth:`halo.plan.HaloPlan.kernel_maps`); every such convolution then also runs the halo pairs
-through the engine, forward and backward. None of that exists in a one-process profile, so
-:func:`split_probe` measures it in one process by playing the busiest box of each grid (cuts:
-the trainer's balanced quantile cuts, :func:`halo.cuts.cuts_from_histograms`, halo voxels
-found in the whole cloud as :func:`halo.plan.build_plan` would receive them), per block::
+step builds, besides the map of its box's own voxels (the engine's, as one process builds it
+for the whole batch), a halo plan (select the rows within ``r`` of each of the up to 26
+neighbour boxes, :func:`halo.plan.select_sends`) and the halo part of the map: the stencils of
+those edge rows looked up among the halo voxels (:meth:`halo.plan.HaloPlan.subm_halo_map`);
+every such convolution then also runs the halo pairs through the engine, forward and backward.
+None of that exists in a one-process profile, so :func:`split_probe` measures it in one process
+by playing the busiest box of each grid (cuts: the trainer's balanced quantile cuts,
+:func:`halo.cuts.cuts_from_histograms`, halo voxels found in the whole cloud as
+:func:`halo.plan.build_plan` would receive them), per block::
 
-    extra = [t(select_sends) + t(kernel map over box + halo, split) - t(kernel map over box)]
+    extra = [t(select_sends) + t(halo part's map over the edge rows)]
             summed over the keys the block creates
           + t(halo-pair forward + backward) summed over the block's haloed convolutions
 
@@ -119,8 +120,7 @@ def split_probe(blocks: Sequence[Any], x: SparseTensor, grids: Sequence[Sequence
 
     x: the input batch (whole, on the profiled device); align: the model's total stride.
     """
-    from halo.kmap import kernel_map
-    from halo.plan import halo_boxes, halo_radius, select_sends
+    from halo.plan import HaloPlan, halo_boxes, halo_radius, select_sends
     from sparsepipe_hpc.engine import get_engine
 
     now = clock(x.feats.device)
@@ -140,7 +140,6 @@ def split_probe(blocks: Sequence[Any], x: SparseTensor, grids: Sequence[Sequence
             creator, m0, t = users[0]
             s = m0.spec
             r = halo_radius(s.kernel_size, 1, s.padding, s.dilation)
-            geometry = (s.kernel_size, 1, s.padding, s.dilation)
             where = torch.as_tensor(np.asarray(cuts.locate(t.coords[:, 1:].cpu().numpy(),
                                                            stride=t.stride)))
             mine = (where == torch.tensor(box)).all(1).to(t.coords.device)
@@ -151,14 +150,14 @@ def split_probe(blocks: Sequence[Any], x: SparseTensor, grids: Sequence[Sequence
             boxes = [halo_boxes(cuts, c, t.stride) for c in nbrs]
 
             def split() -> Any:
-                select_sends(local, boxes, r)
-                km = kernel_map(torch.cat([local, halo]), local, *geometry)
-                is_local = km.in_rows < len(local)
-                km.select(is_local, n_in=len(local))
-                return km.select(~is_local, n_in=len(halo), in_rows=km.in_rows - len(local))
+                edge = torch.zeros(len(local), dtype=torch.bool, device=local.device)
+                for rows_ in select_sends(local, boxes, r):
+                    edge[rows_] = True
+                plan = HaloPlan([], [], [], [], halo, len(local),
+                                edge_rows=torch.nonzero(edge).squeeze(1))
+                return plan.subm_halo_map(local, s.kernel_size, s.dilation)
 
-            serial = _median(lambda: kernel_map(local, local, *geometry), repeats, now)
-            extra[creator] += max(0.0, _median(split, repeats, now) - serial)
+            extra[creator] += _median(split, repeats, now)
             halo_map = split()
             for k, mod, tt in users:
                 w = mod.weight_matrix().detach()
