@@ -140,6 +140,27 @@ def test_kernel_maps_split_local_and_halo_pairs():
         plan.owned_outputs(local, 3, 2, 1, 1, (4, 4, 4))
 
 
+def test_subm_halo_map_looks_up_the_edge_rows_alone():
+    """The halo part of a submanifold map from the edge rows' stencils equals the lookup of every
+    row's, pair for pair (a plan without edge rows takes that lookup); a kernel reaching past
+    the plan's radius is refused: its halo would miss voxels."""
+    plan, local, halo = hand_plan()
+    full = kernel_map(halo, local, 3, 1, 1, 1)
+    for edge in (torch.tensor([4, 5]), None):
+        plan.edge_rows = edge
+        got = plan.subm_halo_map(local, 3)
+        assert torch.equal(got.ptr, full.ptr) and torch.equal(got.in_rows, full.in_rows)
+        assert torch.equal(got.out_rows, full.out_rows) and got.out_rows.tolist() == [5, 5]
+        assert (got.n_in, got.n_out) == (3, 6)
+        far = plan.subm_halo_map(local, 3, dilation=2)  # (6, 0, 0) from x = 4, (7, 0, 0) from 5
+        assert far.out_rows.tolist() == [4, 5] and far.in_rows.tolist() == [0, 1]
+        assert torch.equal(far.ptr, kernel_map(halo, local, 3, 1, 2, 2).ptr)
+    with pytest.raises(PlanError, match=r"reaches 3 voxels; this plan's halo has radius 2"):
+        plan.subm_halo_map(local, 7)
+    with pytest.raises(PlanError, match="built for 6 local rows"):
+        plan.subm_halo_map(local[:5], 3)
+
+
 def test_plan_offsets_and_counts():
     plan, _, _ = hand_plan()
     assert plan.num_halo == 3 and plan.recv_offsets == [0, 3] and plan.send_counts == [2]

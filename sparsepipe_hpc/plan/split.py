@@ -1,4 +1,4 @@
-"""What a spatial split adds to a step: halo plans, bigger kernel maps, halo-pair compute.
+"""What a spatial split adds to a step: halo plans, the halo parts of the maps, halo pairs.
 
     from sparsepipe_hpc.plan.split import SplitFit, split_probe, fit_split
     rows = split_probe(list(net.blocks), x, grids=[(2, 1, 1), (2, 2, 1)], repeats=3)
@@ -29,7 +29,7 @@ squares over the probed (grid, batch) pairs,
 with ``v`` the busiest box's input voxels and ``s`` its input-level surface voxels as the cost
 model counts them (:func:`sparsepipe_hpc.plan.cost.surface_voxels`): ``c`` the fixed cost of
 one haloed convolution call, ``a`` the per-voxel cost of the selection, ``b`` the per-halo-voxel
-cost of the bigger map and of the halo pairs. A grid of one box adds nothing (``extra = 0``).
+cost of the halo part's map and of the halo pairs. A grid of one box adds nothing (``extra = 0``).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def split_probe(blocks: Sequence[Any], x: SparseTensor, grids: Sequence[Sequence
                 edge = torch.zeros(len(local), dtype=torch.bool, device=local.device)
                 for rows_ in select_sends(local, boxes, r):
                     edge[rows_] = True
-                plan = HaloPlan([], [], [], [], halo, len(local),
+                plan = HaloPlan([], [], [], [], halo, len(local), radius=r,
                                 edge_rows=torch.nonzero(edge).squeeze(1))
                 return plan.subm_halo_map(local, s.kernel_size, s.dilation)
 
