@@ -315,7 +315,7 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     and a GPU waits once (the outputs' and the per-offset counts together) instead of six times.
     ``batch_size`` (read where windows tile): the batch indices must lie in ``[0, batch_size)``
     (ValueError otherwise), and where ``batch_size x out_shape`` voxels number under 2**31 that
-    pass sorts int32 keys (``((b X + x) Y + y) Z + z``, the same order as :func:`coord_keys`'): half the
+    pass sorts int32 keys (``((b X + x) Y + y) Z + z``, in :func:`coord_keys`' order): half the
     radix passes of int64 ones on a GPU, 2-3x faster on a CPU.
     """
     if not windows_tile(kernel_size, stride, dilation):

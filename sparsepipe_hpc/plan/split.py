@@ -150,11 +150,9 @@ def split_probe(blocks: Sequence[Any], x: SparseTensor, grids: Sequence[Sequence
             boxes = [halo_boxes(cuts, c, t.stride) for c in nbrs]
 
             def split() -> Any:
-                edge = torch.zeros(len(local), dtype=torch.bool, device=local.device)
-                for rows_ in select_sends(local, boxes, r):
-                    edge[rows_] = True
-                plan = HaloPlan([], [], [], [], halo, len(local), radius=r,
-                                edge_rows=torch.nonzero(edge).squeeze(1))
+                sends = select_sends(local, boxes, r)
+                edge = torch.unique(torch.cat(sends)) if sends else None
+                plan = HaloPlan([], [], [], [], halo, len(local), radius=r, edge_rows=edge)
                 return plan.subm_halo_map(local, s.kernel_size, s.dilation)
 
             extra[creator] += _median(split, repeats, now)
