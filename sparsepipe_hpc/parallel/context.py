@@ -127,6 +127,10 @@ class ParallelContext:
         instead of the context's ``cuts`` mode.
         """
         self._check_open()
+        for i, p in enumerate(payloads):
+            if p.ndim == 0 or len(p) != x.num_voxels:
+                raise ValueError(f"distribute: payload {i} has shape {tuple(p.shape)}; it must "
+                                 f"have one row per voxel of the batch ({x.num_voxels})")
         if self.group is None:
             return (x.replace(context=self), *payloads)
         domain = self.group.decompose(x, align=align, balanced=self.cuts_mode == "balanced",
@@ -134,10 +138,11 @@ class ParallelContext:
         bound = self.bind(domain)
         if domain.grid.size == 1:  # one box holds the whole (bounds-checked) batch: no copy
             return (x.replace(context=bound, kmaps={}), *payloads)
-        keep = domain.owned_rows(x.coords)
-        local = x.replace(coords=x.coords[keep].contiguous(), feats=x.feats[keep].contiguous(),
-                          context=bound, kmaps={})
-        return (local, *(p[keep] for p in payloads))
+        # The rows found once (on a GPU, each boolean selection waits for the device).
+        rows = domain.owned_rows(x.coords).nonzero().squeeze(1)
+        local = x.replace(coords=x.coords.index_select(0, rows),
+                          feats=x.feats.index_select(0, rows), context=bound, kmaps={})
+        return (local, *(p.index_select(0, rows.to(p.device)) for p in payloads))
 
     def collect(self, local_coords: torch.Tensor, values: torch.Tensor,
                 full_coords: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ input gradients on owned rows, parameter gradients after the all-reduce.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -429,6 +430,27 @@ def test_bad_input_raises_on_every_rank(comm):
     xl, = ctx.distribute(thin)
     with pytest.raises(CutError):
         SubMConv3d(3, 2, 5).double()(xl)
+
+
+def test_distribute_refuses_a_payload_without_a_row_per_voxel(comm):
+    """A payload (labels) one row short or long, or a scalar, is named on every rank, before any
+    collective; one of the right length is split as the voxels are."""
+    ctx = ParallelContext(comm, RankLayout(1, 1, (comm.size, 1, 1)), cuts="uniform")
+    x = make_cloud(2, "random", shape=(16, 16, 16))
+    labels = coord_keys(x.coords)
+    for bad in (labels[1:], torch.cat([labels, labels[:1]]), labels[0]):
+        with pytest.raises(ValueError, match=re.escape(
+                f"payload 1 has shape {tuple(bad.shape)}; it must have one row per voxel of "
+                f"the batch ({len(labels)})")):
+            ctx.distribute(x, labels, bad)
+    from helpers import HostReads
+
+    with HostReads() as reads:
+        xl, yl = ctx.distribute(x, labels)
+    assert torch.equal(yl, coord_keys(xl.coords))
+    # The owned rows are found once for the voxels and every payload (each selection by a mask
+    # would wait for a GPU); one rank holds the whole batch and selects nothing.
+    assert reads.ops.count("nonzero") == (comm.size > 1) and "index" not in reads.ops, reads.ops
 
 
 def test_a_rank_that_cuts_another_batch_or_with_other_options_stops_every_rank(comm):
