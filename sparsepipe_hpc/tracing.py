@@ -10,7 +10,10 @@
 
 Instrumented places (the pipeline executor's actions, the spatial halo-exchange wait, the
 trainer's all-reduce) call :func:`span`, which costs one global lookup while nothing records, so
-the hooks stay in the code. Spans may nest (a halo wait inside a forward); those that follow one
+the hooks stay in the code. Under torch's profiler a span is also a ``record_function`` range, as
+is each :func:`profiled` block (the parts of a distributed convolution): a profile then puts a
+kernel or a blocking CUDA call down to the part that made it, also in backward, whose Python
+frames the profiler does not see (``bench gpu``'s ``sync_sites``). Spans may nest (a halo wait inside a forward); those that follow one
 another on a rank never overlap, since a rank runs one thing at a time. Gaps between top-level
 spans are idle time. Times are seconds since a barrier every rank left together (Recorder.start),
 so rows line up to within the barrier's skew. The trace is the Trace Event Format that
@@ -26,7 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-__all__ = ["Span", "Recorder", "recording", "span", "to_chrome_trace", "gather_chrome_trace"]
+__all__ = ["Span", "Recorder", "recording", "span", "profiled", "to_chrome_trace",
+           "gather_chrome_trace"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,34 @@ def span(name: str, cat: str, **args: Any) -> contextlib.AbstractContextManager[
     the block may add to it without asking whether anything records.
     """
     rec = _active
-    return rec.span(name, cat, **args) if rec is not None else contextlib.nullcontext(args)
+    cm = rec.span(name, cat, **args) if rec is not None else contextlib.nullcontext(args)
+    return _profiled_too(cm, name) if _profiling() else cm
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A ``torch.profiler.record_function(name)`` range while torch's profiler runs, else
+    nothing (one check, no op dispatched): label the parts of a step a profile should tell
+    apart."""
+    if _profiling():
+        from torch.profiler import record_function
+
+        return record_function(name)
+    return contextlib.nullcontext()
+
+
+def _profiling() -> bool:
+    import torch
+
+    return torch.autograd._profiler_enabled()
+
+
+@contextlib.contextmanager
+def _profiled_too(cm: contextlib.AbstractContextManager[dict[str, Any]], name: str
+                  ) -> Iterator[dict[str, Any]]:
+    from torch.profiler import record_function
+
+    with cm as args, record_function(name):
+        yield args
 
 
 def to_chrome_trace(rows: Sequence[Sequence[Span]], labels: Optional[Sequence[str]] = None,

@@ -77,3 +77,25 @@ def test_chrome_trace_has_a_row_per_rank_and_outer_spans_first():
     assert xs == [(0, "F0", 2e6, 2e6), (0, "halo wait", 2e6, 1e6), (1, "RA0<0", 0.0, 1.5e6)]
     with pytest.raises(ValueError, match="labels has 1 entries but there are 2 rows"):
         to_chrome_trace(rows, ["x"])
+
+
+def test_spans_and_profiled_blocks_are_ranges_in_a_torch_profile_only():
+    """Under torch's profiler a span and a profiled block are ``record_function`` ranges (also
+    while no recorder is active); outside one, a profiled block is a bare context."""
+    import contextlib
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from sparsepipe_hpc.tracing import profiled
+
+    assert isinstance(profiled("x"), contextlib.nullcontext)
+    rec = Recorder(clock=iter(range(10)).__next__)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with span("idle span", "idle") as info:
+            info["bytes"] = 1
+            with recording(rec), span("recorded", "halo"), profiled("part"):
+                torch.ones(2).sum()
+    ranges = {e.name for e in prof.events() if getattr(e, "is_user_annotation", False)}
+    assert ranges == {"idle span", "recorded", "part"}
+    assert [(s.name, s.cat) for s in rec.spans] == [("recorded", "halo")]

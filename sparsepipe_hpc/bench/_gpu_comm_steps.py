@@ -238,7 +238,7 @@ def ranks_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Mo
                           device, repeats)
     shared, note = ranks_note(device.type, n, ranks_per_device(comm, device), available_cores())
     comm.Barrier()
-    launches = step_launches(dist, device)  # every rank profiles its part of one more step
+    launches = step_launches(dist, device, comm=comm)  # each rank its part of one more step
     ctx.close()
     return {"one_rank": t["one_rank"], "n_ranks": t[f"{n}_ranks"], "ranks": n,
             "ratio_n_over_1": t[f"{n}_ranks"]["median_s"] / t["one_rank"]["median_s"],

@@ -19,8 +19,13 @@ for every network it times, so one device call shows both the ratio and where it
   top_kernels       the kernels with the most GPU time, each with the ops and source lines that
                     launched it (``from``: ``aten::index at halo/kmap.py:200``), the top three
   sync_sites        where they come from: each blocking call, ``cudaMalloc`` and ``cudaFree`` by
-                    the op it ran in (``cudaFree in aten::empty``), and each torch sync by the
-                    Python line that asked for it (``halo/kmap.py:217``); the most frequent ones
+                    the op it ran in, the project's source line around it and the innermost
+                    labelled range (``cudaStreamSynchronize in aten::nonzero at
+                    halo/plan.py:145 within dist_conv halo start``; ranges are
+                    ``sparsepipe_hpc.tracing`` spans and ``profiled`` blocks, which also name
+                    what runs in backward, where the profile has no Python frames), and each
+                    torch sync by the Python line that asked for it (``halo/kmap.py:217``); the
+                    most frequent ones
 
 One call of a warmed-up step (spconv tunes its kernels on first use); a profiled step runs slower
 than a timed one, so these are counts, not times.
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -43,9 +48,34 @@ def _blocks(name: str) -> bool:
     return any(b in name for b in _BLOCKING) and "Async" not in name
 
 
-def step_launches(fn: Callable[[], Any], device: torch.device, top: int = 8) -> dict[str, Any]:
+def step_launches(fn: Callable[[], Any], device: torch.device, top: int = 8,
+                  comm: Any = None) -> dict[str, Any]:
     """Counts of one ``fn()`` on ``device``, as the module says; call it warmed up (``bench gpu``
-    does, after its timed rounds). ``top``: how many kernels to list by GPU time."""
+    does, after its timed rounds). ``top``: how many kernels to list by GPU time.
+
+    torch's profiler may read a Python frame's name after its code object is gone
+    (pytorch/pytorch#130622: a UnicodeDecodeError while it reads the events; seen here about once
+    in twenty profiles of a step); ``fn`` is then profiled again, the third time without Python
+    stacks (no source lines; ``stacks`` in the result says which). ``comm``: the ranks that
+    profile a collective ``fn`` together, and so must retry together (collective then).
+    """
+    for stacks in (True, True, False):
+        events, warned = _profile(fn, device, stacks)
+        failed = events is None
+        if comm is not None:
+            from mpi4py import MPI
+
+            failed = comm.allreduce(failed, op=MPI.LOR)
+        if not failed:
+            return {**summarize(events, warned, top), "stacks": stacks}
+    raise RuntimeError("step_launches: torch's profiler could not read its events, even "
+                       "without Python stacks")
+
+
+def _profile(fn: Callable[[], Any], device: torch.device, stacks: bool
+             ) -> tuple[Optional[list[Any]], list[tuple[str, str]]]:
+    """(the profile's events, or None where torch could not read them; warnings raised, as
+    (message, "file:line")) of one ``fn()``."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -54,7 +84,7 @@ def step_launches(fn: Callable[[], Any], device: torch.device, top: int = 8) -> 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     mode = torch.cuda.get_sync_debug_mode() if cuda else 0
     with warnings.catch_warnings(record=True) as caught, \
-            profile(activities=activities, with_stack=True) as prof:
+            profile(activities=activities, with_stack=stacks) as prof:
         warnings.simplefilter("always")
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
@@ -65,7 +95,10 @@ def step_launches(fn: Callable[[], Any], device: torch.device, top: int = 8) -> 
                 torch.cuda.set_sync_debug_mode(mode)
                 torch.cuda.synchronize(device)  # every kernel inside the profile
     warned = [(str(w.message), f"{_short(w.filename)}:{w.lineno}") for w in caught]
-    return summarize(prof.events(), warned, top)
+    try:
+        return list(prof.events()), warned
+    except UnicodeDecodeError:
+        return None, warned
 
 
 def _short(path: str) -> str:
@@ -89,30 +122,60 @@ def _frame(name: str) -> Optional[tuple[str, str]]:
     return (_short(path), rest) if paren else None
 
 
-def _caller(e: Any) -> str:
-    """The innermost op or Python frame around a runtime call event (its ``cpu_parent``
-    chain), or '?'."""
+def _parents(e: Any) -> Iterator[Any]:
     p = getattr(e, "cpu_parent", None)
-    while p is not None and _is_call(p.name):
+    while p is not None:
+        yield p
         p = getattr(p, "cpu_parent", None)
-    if p is None:
-        return "?"
-    frame = _frame(p.name)
-    return f"{frame[0]}({frame[1]}" if frame else p.name
+
+
+def _name(event: Any) -> str:
+    """An event's name, a Python frame's shortened (``halo/kmap.py(212): kernel_map``) and a
+    C function's without its address (``built-in method implicit_gemm``: the profile's
+    ``<built-in method implicit_gemm of pybind11_... object at 0x7f...>``)."""
+    name = event.name
+    if name.startswith("<built-in "):
+        return " ".join(name.strip("<>").split(" of ")[0].split()[:3])
+    frame = _frame(name)
+    return f"{frame[0]}({frame[1]}" if frame else name
+
+
+def _caller(e: Any) -> str:
+    """The innermost op, range or Python frame around a runtime call event (its
+    ``cpu_parent`` chain), or '?'."""
+    return next((_name(p) for p in _parents(e) if not _is_call(p.name)), "?")
+
+
+def _project_line(e: Any) -> Optional[str]:
+    """``path:line`` of the innermost Python frame around ``e`` (events named ``path(line):
+    function`` in a profile with stacks) that lies in ``halo`` or ``sparsepipe_hpc``."""
+    for p in _parents(e):
+        frame = _frame(p.name)
+        if frame and frame[0].startswith(("halo/", "sparsepipe_hpc/")):
+            return f"{frame[0]}:{frame[1].partition(')')[0]}"
+    return None
 
 
 def _launch_site(e: Any) -> str:
     """The op that launched a kernel and the project's source line it was called from, e.g.
-    ``aten::index at sparsepipe_hpc/engine/spconv_engine.py:231``: the innermost of the Python
-    frames around ``e`` (events named ``path(line): function`` in a profile with stacks) that
-    lies in ``halo`` or ``sparsepipe_hpc``."""
-    p = getattr(e, "cpu_parent", None)
-    while p is not None:
-        frame = _frame(p.name)
-        if frame and frame[0].startswith(("halo/", "sparsepipe_hpc/")):
-            return f"{e.name} at {frame[0]}:{frame[1].partition(')')[0]}"
-        p = getattr(p, "cpu_parent", None)
-    return e.name
+    ``aten::index at sparsepipe_hpc/engine/spconv_engine.py:231``."""
+    line = _project_line(e)
+    return f"{e.name} at {line}" if line else e.name
+
+
+def _sync_site(e: Any) -> str:
+    """Where a runtime call ran: ``{call} in {caller}``, then `` at {project line}`` and
+    `` within {range}`` (the innermost labelled range, :mod:`sparsepipe_hpc.tracing`) where
+    the profile has them and the caller does not already say them."""
+    caller = _caller(e)
+    site = f"{e.name} in {caller}"
+    line = _project_line(e)
+    if line and not caller.startswith(line.partition(":")[0] + "("):
+        site += f" at {line}"
+    label = next((p.name for p in _parents(e) if getattr(p, "is_user_annotation", False)), None)
+    if label and label != caller:
+        site += f" within {label}"
+    return site
 
 
 def summarize(events: Any, warned: list[tuple[str, str]], top: int = 8) -> dict[str, Any]:
@@ -135,7 +198,7 @@ def summarize(events: Any, warned: list[tuple[str, str]], top: int = 8) -> dict[
         for k in getattr(e, "kernels", None) or ():
             launched.setdefault(k.name, Counter())[_launch_site(e)] += k.duration
     synced = [site for msg, site in warned if "synchroniz" in msg]
-    sites = Counter(f"{e.name} in {_caller(e)}" for e in calls
+    sites = Counter(_sync_site(e) for e in calls
                     if _blocks(e.name) or e.name in ("cudaMalloc", "cudaFree"))
     sites.update(f"torch sync at {site}" for site in synced)
     return {

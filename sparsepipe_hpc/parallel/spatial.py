@@ -47,7 +47,7 @@ from sparsepipe_hpc.engine.base import Engine
 from sparsepipe_hpc.kmaps import ConvEntry, ConvError, ConvSpec, cached_entry
 from sparsepipe_hpc.parallel.failures import run_on_all
 from sparsepipe_hpc.sparse import SparseTensor, SparseTensorError
-from sparsepipe_hpc.tracing import span
+from sparsepipe_hpc.tracing import profiled, span
 
 __all__ = ["SpatialGroup", "SpatialDomain"]
 
@@ -270,20 +270,24 @@ class _DistConv(torch.autograd.Function):
         local = maps.local.transpose() if transposed else maps.local_for(engine)
         if maps.halo is None:
             ctx.save_for_backward(feats, weight, None)
-            return engine.forward(feats, weight, local)
+            with profiled(_LOCAL):
+                return engine.forward(feats, weight, local)
         halo_map = maps.halo.transpose() if transposed else maps.halo
         if transposed:
             # Contributions to rows the neighbours own go first, so they travel during the rest.
-            pending = maps.exchange.start_adjoint(engine.forward(feats, weight, halo_map))
+            with profiled(_HALO):
+                contrib = engine.forward(feats, weight, halo_map)
+            pending = _start(maps.exchange.start_adjoint, contrib)
             out = _overlapped(maps, pending, overlap,
                               lambda p: engine.forward(feats, weight, local, p))
             out += maps.wait(pending)
             ctx.save_for_backward(feats, weight, None)
             return out
-        pending = maps.exchange.start(feats.detach())
+        pending = _start(maps.exchange.start, feats.detach())
         out = _overlapped(maps, pending, overlap, lambda p: engine.forward(feats, weight, local, p))
         halo = maps.wait(pending)
-        engine.forward(halo, weight, halo_map, out=out)
+        with profiled(_HALO):
+            engine.forward(halo, weight, halo_map, out=out)
         ctx.save_for_backward(feats, weight, halo)
         return out
 
@@ -294,28 +298,41 @@ class _DistConv(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         local = maps.local.transpose() if ctx.transposed else maps.local_for(engine)
         if maps.halo is None:
-            g_in, g_w = engine.backward(feats, weight, grad_out, local)
+            with profiled(_LOCAL):
+                g_in, g_w = engine.backward(feats, weight, grad_out, local)
             return g_in, g_w, None, None, None, None
         halo_map = maps.halo.transpose() if ctx.transposed else maps.halo
         if ctx.transposed:
             # The gradients of the halo rows live on their owners: fetch them meanwhile.
-            pending = maps.exchange.start(grad_out)
+            pending = _start(maps.exchange.start, grad_out)
             g_in, g_w = _overlapped(maps, pending, overlap,
                                     lambda p: engine.backward(feats, weight, grad_out, local, p))
             g_halo_out = maps.wait(pending)
-            g_in, g_w2 = engine.backward(feats, weight, g_halo_out, halo_map, grad_in=g_in)
+            with profiled(_HALO):
+                g_in, g_w2 = engine.backward(feats, weight, g_halo_out, halo_map, grad_in=g_in)
             return g_in, g_w + g_w2, None, None, None, None
-        g_halo, g_w_halo = engine.backward(halo, weight, grad_out, halo_map)
-        pending = maps.exchange.start_adjoint(g_halo)
+        with profiled(_HALO):
+            g_halo, g_w_halo = engine.backward(halo, weight, grad_out, halo_map)
+        pending = _start(maps.exchange.start_adjoint, g_halo)
         g_in, g_w = _overlapped(maps, pending, overlap,
                                 lambda p: engine.backward(feats, weight, grad_out, local, p))
         g_in += maps.wait(pending)
         return g_in, g_w + g_w_halo, None, None, None, None
 
 
+# A profile's names for the parts of a distributed convolution (tracing.profiled): in backward,
+# which the profiler's Python stacks miss, they tell where a kernel or a blocking call came from.
+_LOCAL, _HALO, _START = "dist_conv local part", "dist_conv halo part", "dist_conv halo start"
+
+
+def _start(start: Callable[[torch.Tensor], Any], rows: torch.Tensor) -> Any:
+    with profiled(_START):
+        return start(rows)
+
+
 def _overlapped(maps: DistMaps, pending: Any, overlap: bool, compute):
     """Run ``compute(progress)`` while the exchange is in flight, or after it without overlap."""
     if not overlap:
         maps.wait(pending)  # idempotent: the later wait() returns the same result at once
-        return compute(None)
-    return compute(pending.test)
+    with profiled(_LOCAL):
+        return compute(None if not overlap else pending.test)

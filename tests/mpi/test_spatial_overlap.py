@@ -3,7 +3,6 @@ change a single number. (How much time overlap hides is a benchmark figure, not 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -82,3 +81,35 @@ def test_overlap_on_off_and_delay_give_identical_results(comm):
     for other in (b, c):
         assert torch.equal(a[0], other[0]) and torch.equal(a[1], other[1])
         assert all(torch.equal(p, q) for p, q in zip(a[2], other[2]))
+
+
+def test_a_profile_names_the_parts_of_each_distributed_convolution(comm):
+    """Under torch's profiler, the local part, the halo part, the exchange's start and its wait
+    are labelled ranges, in forward and in backward (where the profile has no Python frames to
+    put a kernel or a blocking call down to); outside a profile they dispatch nothing."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if comm.size < 2:
+        pytest.skip("needs neighbours")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(comm, True, lambda t: t)
+    found = set()
+    for e in prof.events():
+        if getattr(e, "is_user_annotation", False):
+            p, backward = e.cpu_parent, False
+            while p is not None:
+                backward, p = backward or "Backward" in p.name, p.cpu_parent
+            found.add((e.name, backward))
+    parts = ("dist_conv local part", "dist_conv halo part", "dist_conv halo start", "halo wait")
+    assert {(n, b) for n in parts for b in (False, True)} <= found, sorted(found)
+    ops: list[str] = []  # a dispatch mode sees every op, record_function's included
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        run(comm, True, lambda t: t)
+    assert not any("record_function" in o for o in ops)
