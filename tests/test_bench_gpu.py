@@ -286,3 +286,33 @@ def test_step_launches_profiles_again_when_torch_cannot_read_its_events(monkeypa
     monkeypatch.setattr(launches, "_profile", flaky(3))
     with pytest.raises(RuntimeError, match="could not read its events, even without"):
         launches.step_launches(step, torch.device("cpu"))
+
+
+def test_kernel_gap_lists_the_kernels_that_make_a_step_slower_than_the_plain_one():
+    """From two profiles' per-kernel times: the kernels by which ours takes longer, the largest
+    first, with where ours launched them; a kernel of one step only counts in full."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from sparsepipe_hpc.bench.launches import kernel_gap, summarize
+
+    def run(kernels):
+        step = SimpleNamespace(name="/w/halo/kmap.py(212): kernel_map", device_type=DeviceType.CPU,
+                               device_time_total=0.0, cpu_parent=None, kernels=[])
+        op = SimpleNamespace(name="aten::sort", device_type=DeviceType.CPU, device_time_total=0.0,
+                             cpu_parent=step, kernels=[SimpleNamespace(name=n, duration=us)
+                                                       for n, us in kernels])
+        return summarize([step, op] + [SimpleNamespace(name=n, device_type=DeviceType.CUDA,
+                                                       device_time_total=us, cpu_parent=None)
+                                       for n, us in kernels], [])
+
+    ours = run([("gemm", 50.0), ("radix_sort", 4.0), ("radix_sort", 3.0), ("gather", 2.0),
+                ("relu", 1.0)])
+    plain = run([("gemm", 49.0), ("radix_sort", 2.0), ("relu", 1.5), ("hash", 1.0)])
+    gap = kernel_gap(ours, plain)
+    assert [(g["name"], round(g["extra_s"] * 1e6, 3), g["launches"], g["base_launches"])
+            for g in gap] == [("radix_sort", 5.0, 2, 1), ("gather", 2.0, 1, 0), ("gemm", 1.0, 1, 1)]
+    assert gap[0]["from"] == {"aten::sort at halo/kmap.py:212": pytest.approx(7e-6)}
+    assert ours["kernel_times"]["radix_sort"]["launches"] == 2
+    assert kernel_gap(ours, plain, top=1) == gap[:1] and kernel_gap(plain, plain) == []

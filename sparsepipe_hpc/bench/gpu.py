@@ -1,4 +1,4 @@
-"""GPU benchmark: the project's U-Net against the same U-Net written with spconv's layers (issue 10).
+"""GPU benchmark: the project's U-Net against the same U-Net in spconv's layers (issue 10).
 
     python -m sparsepipe_hpc.bench gpu --json gpu.json                  # the issue's scene, CUDA
     python -m sparsepipe_hpc.bench gpu --device cpu --rooms 1 --voxel-size 0.2 --width 4 \\
@@ -21,7 +21,9 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                warm-up round).
                ``launches`` (unless ``--no-launches``): per network, the kernels, CUDA runtime
                calls, host synchronizations and torch ops of one more step (:mod:`.launches`),
-               what made the project's step slow before (issue 10's profile).
+               what made the project's step slow before (issue 10's profile); ``kernel_gap``:
+               per network, the kernels by which its step's GPU time exceeds the plain U-Net's,
+               with the source lines that launched them (:func:`.launches.kernel_gap`).
   layer        one submanifold 3x3x3 layer, C -> C channels, forward + backward on the scene's
                voxels: project layer (``project``: the default engine; ``project_torch``: the
                own torch engine), spconv's ``SubMConv3d``, and ``torch.mm`` of the same GEMM
@@ -58,7 +60,7 @@ from sparsepipe_hpc.bench.common import environment, time_alternating, write_jso
 from sparsepipe_hpc.bench._gpu_tables import (SKIP_CPU_AUTOCAST, autocast, batchnorm_table,
                                               kernel_maps_table, layer_table, spconv_runs,
                                               strided_table, switched, triton_skip, variants)
-from sparsepipe_hpc.bench.launches import step_launches
+from sparsepipe_hpc.bench.launches import kernel_gap, step_launches
 from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["main", "build_parser", "synthetic_rooms", "unet_steps", "PRECISIONS"]
@@ -159,6 +161,10 @@ def _steps(x: SparseTensor, args: Any, device: torch.device,
             out["launches"][name] = step_launches(fn, device)
         except Exception as e:
             out["launches"][name] = {"error": f"{type(e).__name__}: {e}"}
+    plain = out["launches"].get("spconv_unet", {})
+    if "kernel_times" in plain:  # where each network's kernels take longer than the plain one's
+        out["kernel_gap"] = {name: kernel_gap(n, plain) for name, n in out["launches"].items()
+                             if name != "spconv_unet" and "kernel_times" in n}
     base = out["spconv_unet"]
     for name in steps:
         if name == "spconv_unet":
@@ -242,6 +248,14 @@ def main(argv: list[str]) -> None:
             if n.get("sync_sites"):
                 print("    from: " + ", ".join(f"{k} x{v}" for k, v in
                                                list(n["sync_sites"].items())[:6]))
+        base = steps["launches"].get("spconv_unet", {})
+        for net, gap in steps.get("kernel_gap", {}).items():
+            extra = steps["launches"][net]["kernel_time_s"] - base["kernel_time_s"]
+            print(f"{name} kernel time {net} over spconv_unet: {extra * 1e3:+.2f} ms; most: "
+                  + "; ".join(f"{g['extra_s'] * 1e3:+.2f} ms {g['name'][:60]} x{g['launches']} "
+                              f"(plain x{g['base_launches']})"
+                              + (f" from {next(iter(g['from']))}" if g["from"] else "")
+                              for g in gap[:5]))
         if "time_ratio_distributed_1x1x1_over_spconv" in steps:
             print(f"{name} distributed / spconv: time "
                   f"{steps['time_ratio_distributed_1x1x1_over_spconv']:.2f}")

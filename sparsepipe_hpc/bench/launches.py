@@ -18,6 +18,8 @@ for every network it times, so one device call shows both the ratio and where it
   aten_ops          torch ops dispatched, nested ones included (on a CPU the only count there is)
   top_kernels       the kernels with the most GPU time, each with the ops and source lines that
                     launched it (``from``: ``aten::index at halo/kmap.py:200``), the top three
+  kernel_times      every kernel by name: GPU time, launches and ``from``; :func:`kernel_gap`
+                    of two networks' steps lists the kernels that make one slower than the other
   sync_sites        where they come from: each blocking call, ``cudaMalloc`` and ``cudaFree`` by
                     the op it ran in, the project's source line around it and the innermost
                     labelled range (``cudaStreamSynchronize in aten::nonzero at
@@ -39,7 +41,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["step_launches", "summarize"]
+__all__ = ["step_launches", "summarize", "kernel_gap"]
 
 _BLOCKING = ("Synchronize", "cudaMemcpy", "cuMemcpy")  # cudaMemcpy (not Async) waits too
 
@@ -201,16 +203,39 @@ def summarize(events: Any, warned: list[tuple[str, str]], top: int = 8) -> dict[
     sites = Counter(_sync_site(e) for e in calls
                     if _blocks(e.name) or e.name in ("cudaMalloc", "cudaFree"))
     sites.update(f"torch sync at {site}" for site in synced)
+    launches = Counter(e.name for e in kernels)
+    every = {name: {"time_s": us / 1e6, "launches": launches[name],
+                    "from": {site: t / 1e6 for site, t in
+                             launched.get(name, Counter()).most_common(3)}}
+             for name, us in by_kernel.most_common()}
     return {
         "kernels": len(kernels),
         "kernel_time_s": sum(by_kernel.values()) / 1e6,
-        "top_kernels": [{"name": name[:120], "time_s": us / 1e6,
-                         "from": {site: t / 1e6 for site, t in
-                                  launched.get(name, Counter()).most_common(3)}}
-                        for name, us in by_kernel.most_common(top)],
+        "top_kernels": [{"name": name[:120], "time_s": k["time_s"], "from": k["from"]}
+                        for name, k in list(every.items())[:top]],
+        # Every kernel by name: what kernel_gap compares between two networks' steps.
+        "kernel_times": every,
         "runtime_calls": dict(runtime.most_common()),
         "syncs": sum(n for name, n in runtime.items() if _blocks(name)),
         "torch_host_syncs": len(synced),
         "aten_ops": sum(1 for e in host if e.name.startswith("aten::")),
         "sync_sites": dict(sites.most_common(3 * top)),
     }
+
+
+def kernel_gap(ours: dict[str, Any], base: dict[str, Any], top: int = 10) -> list[dict[str, Any]]:
+    """The kernels by which step ``ours`` takes more GPU time than step ``base`` (two results of
+    :func:`step_launches`), the largest differences first: each kernel's name, the extra time
+    (s), both times and launch counts, and where ``ours`` launched it. A kernel of one step only
+    counts in full; the list sums to the kernel-time difference where nothing is faster in ours."""
+    a, b = ours.get("kernel_times", {}), base.get("kernel_times", {})
+    none = {"time_s": 0.0, "launches": 0, "from": {}}
+    rows = []
+    for name in set(a) | set(b):
+        x, y = a.get(name, none), b.get(name, none)
+        rows.append({"name": name[:120], "extra_s": x["time_s"] - y["time_s"],
+                     "time_s": x["time_s"], "base_time_s": y["time_s"],
+                     "launches": x["launches"], "base_launches": y["launches"],
+                     "from": x["from"]})
+    rows.sort(key=lambda r: -r["extra_s"])
+    return [r for r in rows[:top] if r["extra_s"] > 0]
