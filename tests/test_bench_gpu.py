@@ -316,3 +316,20 @@ def test_kernel_gap_lists_the_kernels_that_make_a_step_slower_than_the_plain_one
     assert gap[0]["from"] == {"aten::sort at halo/kmap.py:212": pytest.approx(7e-6)}
     assert ours["kernel_times"]["radix_sort"]["launches"] == 2
     assert kernel_gap(ours, plain, top=1) == gap[:1] and kernel_gap(plain, plain) == []
+
+
+def test_gpu_idle_time_is_the_span_of_the_kernels_less_their_union():
+    """Kernels overlapping on two streams count once; the gaps between them are idle time."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from sparsepipe_hpc.bench.launches import summarize
+
+    def k(a, b):
+        return SimpleNamespace(name="k", device_type=DeviceType.CUDA, device_time_total=b - a,
+                               cpu_parent=None, time_range=SimpleNamespace(start=a, end=b))
+
+    n = summarize([k(100, 110), k(105, 112), k(120, 125), k(121, 122)], [])
+    assert n["gpu_busy_s"] == pytest.approx(17e-6) and n["gpu_idle_s"] == pytest.approx(8e-6)
+    assert summarize([], [])["gpu_busy_s"] == summarize([], [])["gpu_idle_s"] == 0

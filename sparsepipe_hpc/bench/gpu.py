@@ -241,7 +241,9 @@ def main(argv: list[str]) -> None:
             print(f"{name} step {net:18s} {t['median_s']:8.3f} s{mem}")
         for net, n in steps["launches"].items():
             print(f"{name} launches {net:18s} " + (n["error"] if "error" in n else
-                  f"{n['kernels']} kernels, {n['syncs']} host syncs ({n['torch_host_syncs']} in "
+                  f"{n['kernels']} kernels (GPU busy {n['gpu_busy_s'] * 1e3:.1f} ms, idle "
+                  f"{n['gpu_idle_s'] * 1e3:.1f} ms between them), {n['syncs']} host syncs "
+                  f"({n['torch_host_syncs']} in "
                   f"torch ops), {n['runtime_calls'].get('cudaFree', 0)} cudaFree, "
                   f"{n['runtime_calls'].get('cudaMalloc', 0)} cudaMalloc, {n['aten_ops']} torch "
                   "ops"))
@@ -249,7 +251,7 @@ def main(argv: list[str]) -> None:
                 print("    from: " + ", ".join(f"{k} x{v}" for k, v in
                                                list(n["sync_sites"].items())[:6]))
         base = steps["launches"].get("spconv_unet", {})
-        for net, gap in steps.get("kernel_gap", {}).items():
+        for net, gap in steps.get("kernel_gap", {}).items() if base.get("kernels") else ():
             extra = steps["launches"][net]["kernel_time_s"] - base["kernel_time_s"]
             print(f"{name} kernel time {net} over spconv_unet: {extra * 1e3:+.2f} ms; most: "
                   + "; ".join(f"{g['extra_s'] * 1e3:+.2f} ms {g['name'][:60]} x{g['launches']} "

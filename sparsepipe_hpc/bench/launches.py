@@ -18,6 +18,10 @@ for every network it times, so one device call shows both the ratio and where it
   aten_ops          torch ops dispatched, nested ones included (on a CPU the only count there is)
   top_kernels       the kernels with the most GPU time, each with the ops and source lines that
                     launched it (``from``: ``aten::index at halo/kmap.py:200``), the top three
+  gpu_busy_s        time some kernel ran (their intervals' union: streams that overlap count
+  gpu_idle_s        once), and the time between the first kernel and the last that none ran:
+                    the device waiting for the host (syncs, launches), which a step time shows
+                    and kernel times do not
   kernel_times      every kernel by name: GPU time, launches and ``from``; :func:`kernel_gap`
                     of two networks' steps lists the kernels that make one slower than the other
   sync_sites        where they come from: each blocking call, ``cudaMalloc`` and ``cudaFree`` by
@@ -208,9 +212,12 @@ def summarize(events: Any, warned: list[tuple[str, str]], top: int = 8) -> dict[
                     "from": {site: t / 1e6 for site, t in
                              launched.get(name, Counter()).most_common(3)}}
              for name, us in by_kernel.most_common()}
+    busy, span = _busy(kernels)
     return {
         "kernels": len(kernels),
         "kernel_time_s": sum(by_kernel.values()) / 1e6,
+        "gpu_busy_s": busy,
+        "gpu_idle_s": span - busy,
         "top_kernels": [{"name": name[:120], "time_s": k["time_s"], "from": k["from"]}
                         for name, k in list(every.items())[:top]],
         # Every kernel by name: what kernel_gap compares between two networks' steps.
@@ -221,6 +228,20 @@ def summarize(events: Any, warned: list[tuple[str, str]], top: int = 8) -> dict[
         "aten_ops": sum(1 for e in host if e.name.startswith("aten::")),
         "sync_sites": dict(sites.most_common(3 * top)),
     }
+
+
+def _busy(kernels: list[Any]) -> tuple[float, float]:
+    """(seconds some kernel ran, seconds from the first kernel's start to the last one's end):
+    the union of the kernels' intervals (``time_range``, us), overlapping streams counted once."""
+    spans = sorted((k.time_range.start, k.time_range.end) for k in kernels
+                   if getattr(k, "time_range", None) is not None)
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a > end:
+            busy, end = busy + b - a, b
+        elif b > end:
+            busy, end = busy + b - end, b
+    return busy / 1e6, (max(b for _, b in spans) - spans[0][0]) / 1e6 if spans else 0.0
 
 
 def kernel_gap(ours: dict[str, Any], base: dict[str, Any], top: int = 10) -> list[dict[str, Any]]:
