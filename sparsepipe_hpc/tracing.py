@@ -29,6 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import torch
+from torch.profiler import record_function
+
 __all__ = ["Span", "Recorder", "recording", "span", "profiled", "to_chrome_trace",
            "gather_chrome_trace"]
 
@@ -62,8 +65,6 @@ class Recorder:
         communication streams are not waited for: their transfers stay overlapped."""
         clock: Callable[[], float] = time.perf_counter
         if device is not None and device.type == "cuda":
-            import torch
-
             def clock() -> float:
                 torch.cuda.current_stream(device).synchronize()
                 return time.perf_counter()
@@ -113,24 +114,18 @@ def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
     """A ``torch.profiler.record_function(name)`` range while torch's profiler runs, else
     nothing (one check, no op dispatched): label the parts of a step a profile should tell
     apart."""
-    if _profiling():
-        from torch.profiler import record_function
-
-        return record_function(name)
-    return contextlib.nullcontext()
+    # No import in here: an import statement inside a profile with Python stacks is one way to
+    # meet torch's bug with freed frame names (launches.step_launches).
+    return record_function(name) if _profiling() else contextlib.nullcontext()
 
 
 def _profiling() -> bool:
-    import torch
-
     return torch.autograd._profiler_enabled()
 
 
 @contextlib.contextmanager
 def _profiled_too(cm: contextlib.AbstractContextManager[dict[str, Any]], name: str
                   ) -> Iterator[dict[str, Any]]:
-    from torch.profiler import record_function
-
     with cm as args, record_function(name):
         yield args
 

@@ -257,7 +257,7 @@ def test_step_launches_profiles_again_when_torch_cannot_read_its_events(monkeypa
         with profiled("part"):
             torch.ones(3).sum()
 
-    real = launches._profile(step, torch.device("cpu"), True)[0]
+    real = launches._profile(step, torch.device("cpu"), False)[0]  # stacks: torch's bug may hit
     assert real is not None and "part" in {e.name for e in real}
     tries: list[bool] = []
 
