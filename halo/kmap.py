@@ -257,12 +257,16 @@ def _window_map(in_coords: torch.Tensor, out_coords: torch.Tensor, s: tuple[int,
     sorted_keys, order = torch.sort(coord_keys(out_coords))
     rows = lookup(sorted_keys, order, coord_keys(torch.cat([c[:, :1], o], 1)))
     hit = rows >= 0
-    in_rows, out_rows, k = torch.nonzero(hit).squeeze(1), rows[hit], k[hit]
     n_k = s[0] * s[1] * s[2]
+    # Each offset's hits counted (misses in an extra bin) and read in one copy: the one host
+    # sync; their total then finds the hits without another.
+    counts = value_counts(torch.where(hit, k, n_k), n_k + 1)[:n_k].cpu()
+    in_rows = true_at(hit, int(counts.sum()))
+    out_rows, k = rows[in_rows], k[in_rows]
     # An output has at most one input per offset: (offset, output row) orders the pairs fully.
     perm = torch.argsort(k * len(out_coords) + out_rows)
     ptr = torch.zeros(n_k + 1, dtype=torch.int64)
-    ptr[1:] = torch.cumsum(value_counts(k, n_k).cpu(), 0)
+    ptr[1:] = torch.cumsum(counts, 0)
     return KernelMap(in_rows[perm], out_rows[perm], ptr, len(in_coords), len(out_coords))
 
 

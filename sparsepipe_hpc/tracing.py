@@ -9,15 +9,16 @@
         json.dump(trace, open("trace.json", "w"))
 
 Instrumented places (the pipeline executor's actions, the spatial halo-exchange wait, the
-trainer's all-reduce) call :func:`span`, which costs one global lookup while nothing records, so
-the hooks stay in the code. Under torch's profiler a span is also a ``record_function`` range, as
-is each :func:`profiled` block (the parts of a distributed convolution): a profile then puts a
-kernel or a blocking CUDA call down to the part that made it, also in backward, whose Python
-frames the profiler does not see (``bench gpu``'s ``sync_sites``). Spans may nest (a halo wait inside a forward); those that follow one
-another on a rank never overlap, since a rank runs one thing at a time. Gaps between top-level
-spans are idle time. Times are seconds since a barrier every rank left together (Recorder.start),
-so rows line up to within the barrier's skew. The trace is the Trace Event Format that
-chrome://tracing and ui.perfetto.dev open: one row (tid) per rank, one complete event ("X") per
+trainer's all-reduce) call :func:`span`, which costs one global lookup and a check of torch's
+profiler while nothing records, so the hooks stay in the code. Under torch's profiler a span is
+also a ``record_function`` range, as is each :func:`profiled` block (the parts of a distributed
+convolution): a profile then puts a kernel or a blocking CUDA call down to the part that made
+it, also in backward, whose Python frames the profiler does not see (``bench gpu``'s
+``sync_sites``). Spans may nest (a halo wait inside a forward); those that follow one another on
+a rank never overlap, since a rank runs one thing at a time. Gaps between top-level spans are
+idle time. Times are seconds since a barrier every rank left together (Recorder.start), so rows
+line up to within the barrier's skew. The trace is the Trace Event Format that chrome://tracing
+and ui.perfetto.dev open: one row (tid) per rank, one complete event ("X") per
 span, its category (forward, backward, send, recv, step, allreduce, halo, ...) as ``cat``.
 (sparsepipe_hpc.pipeline.render draws the *simulated* timeline of a schedule the same way.)
 """

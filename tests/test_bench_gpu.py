@@ -267,13 +267,13 @@ def test_step_launches_profiles_again_when_torch_cannot_read_its_events(monkeypa
             return (None if len(tries) <= fails else real), []
         return profile
 
-    class Comm:  # another rank failed the first try
+    class Comm:  # another rank (1) could not read its first profile
         def __init__(self):
             self.calls = 0
 
-        def allreduce(self, failed, op):
+        def allgather(self, state):
             self.calls += 1
-            return failed or self.calls == 1
+            return [state, (False, self.calls == 1)]
 
     for fails, comm, expect in ((0, None, [True]), (1, None, [True, True]),
                                 (2, None, [True, True, False]), (0, Comm(), [True, True])):
@@ -286,6 +286,21 @@ def test_step_launches_profiles_again_when_torch_cannot_read_its_events(monkeypa
     monkeypatch.setattr(launches, "_profile", flaky(3))
     with pytest.raises(RuntimeError, match="could not read its events, even without"):
         launches.step_launches(step, torch.device("cpu"))
+
+    class Failed(Comm):  # the step raised on rank 1: this rank raises too, at once
+        def allgather(self, state):
+            return [state, (True, True)]
+
+    monkeypatch.setattr(launches, "_profile", flaky(0))
+    with pytest.raises(RuntimeError, match=r"the profiled step failed on rank\(s\) \[1\]"):
+        launches.step_launches(step, torch.device("cpu"), comm=Failed())
+
+    def broken(fn, device, stacks):
+        raise KeyError("mine")
+
+    monkeypatch.setattr(launches, "_profile", broken)
+    with pytest.raises(KeyError, match="mine"):  # its own error, after telling the others
+        launches.step_launches(step, torch.device("cpu"), comm=Comm())
 
 
 def test_kernel_gap_lists_the_kernels_that_make_a_step_slower_than_the_plain_one():

@@ -43,10 +43,10 @@ def _syncs(fn) -> list[str]:
 
 
 def test_kernel_maps_wait_for_the_gpu_once_per_pass(gen):
-    """A kernel map's lookup pass waits once (its hit counts), a k2s2 layer's outputs and map
-    once, and spconv's layout of a map and of its transpose not at all: before, each blocking
-    host-to-device copy of the offsets' bounds waited for the device, 16 times in a U-Net step
-    on an H100."""
+    """A kernel map's lookup pass waits once (its hit counts; with tiling windows it took four
+    waits before), a k2s2 layer's outputs and map once, and spconv's layout of a map and of its
+    transpose not at all: before, each blocking host-to-device copy of the offsets' bounds
+    waited for the device, 16 times in a U-Net step on an H100."""
     x = random_cloud(gen, 2000)
     c = x.coords.cuda()
     out = output_coords(c, 2, 2, 0, 1, (8, 8, 8))
@@ -55,6 +55,8 @@ def test_kernel_maps_wait_for_the_gpu_once_per_pass(gen):
     for batch_size in (None, x.batch_size):  # int64 keys; int32 ones, the batch bound checked
         waits = _syncs(lambda: strided_map(c, 2, 2, 0, 1, (7, 8, 8), batch_size))  # some dropped
         assert len(waits) == 1, waits
+    waits = _syncs(lambda: kernel_map(c, out, 2, 2, 0, 1))  # tiling windows: one lookup pass
+    assert len(waits) == 1, waits
     km = kernel_map(c, out, 2, 2, 0, 1)
 
     def layouts() -> None:  # on a new map each call: the layout is kept on the map

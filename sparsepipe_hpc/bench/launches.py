@@ -18,10 +18,11 @@ for every network it times, so one device call shows both the ratio and where it
   aten_ops          torch ops dispatched, nested ones included (on a CPU the only count there is)
   top_kernels       the kernels with the most GPU time, each with the ops and source lines that
                     launched it (``from``: ``aten::index at halo/kmap.py:200``), the top three
-  gpu_busy_s        time some kernel ran (their intervals' union: streams that overlap count
-  gpu_idle_s        once), and the time between the first kernel and the last that none ran:
-                    the device waiting for the host (syncs, launches), which a step time shows
-                    and kernel times do not
+  gpu_busy_s        time some kernel of this process ran (their intervals' union: streams that
+  gpu_idle_s        overlap count once), and the time between its first kernel and its last
+                    that none ran: on a GPU of its own, the device waiting for the host (syncs,
+                    launches), which a step time shows and kernel times do not; where ranks
+                    share the GPU, also the time it ran the others' kernels
   kernel_times      every kernel by name: GPU time, launches and ``from``; :func:`kernel_gap`
                     of two networks' steps lists the kernels that make one slower than the other
   sync_sites        where they come from: each blocking call, ``cudaMalloc`` and ``cudaFree`` by
@@ -60,20 +61,31 @@ def step_launches(fn: Callable[[], Any], device: torch.device, top: int = 8,
     does, after its timed rounds). ``top``: how many kernels to list by GPU time.
 
     torch's profiler may read a Python frame's name after its code object is gone
-    (pytorch/pytorch#130622: a UnicodeDecodeError while it reads the events; seen here about once
-    in twenty profiles of a step); ``fn`` is then profiled again, the third time without Python
-    stacks (no source lines; ``stacks`` in the result says which). ``comm``: the ranks that
-    profile a collective ``fn`` together, and so must retry together (collective then).
+    (pytorch/pytorch#130622: a UnicodeDecodeError while it reads the events; seen here a few
+    times in a hundred profiles, on CPU); ``fn`` is then profiled again, the third time without
+    Python stacks (no source lines; ``stacks`` in the result says which). ``comm``: the ranks
+    that profile a collective ``fn`` together, and so must retry, or raise, together (collective
+    then: an error on one rank is raised on every rank).
     """
     for stacks in (True, True, False):
-        events, warned = _profile(fn, device, stacks)
-        failed = events is None
+        out: Optional[dict[str, Any]] = None
+        error: Optional[Exception] = None
+        try:
+            events, warned = _profile(fn, device, stacks)
+            if events is not None:
+                out = {**summarize(events, warned, top), "stacks": stacks}
+        except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
+            error = e
+        states = [(error is not None, out is None)]
         if comm is not None:
-            from mpi4py import MPI
-
-            failed = comm.allreduce(failed, op=MPI.LOR)
-        if not failed:
-            return {**summarize(events, warned, top), "stacks": stacks}
+            states = comm.allgather(states[0])
+        if error is not None:
+            raise error
+        failed = [r for r, (err, _) in enumerate(states) if err]
+        if failed:
+            raise RuntimeError(f"step_launches: the profiled step failed on rank(s) {failed}")
+        if out is not None and not any(unread for _, unread in states):
+            return out
     raise RuntimeError("step_launches: torch's profiler could not read its events, even "
                        "without Python stacks")
 
@@ -245,10 +257,11 @@ def _busy(kernels: list[Any]) -> tuple[float, float]:
 
 
 def kernel_gap(ours: dict[str, Any], base: dict[str, Any], top: int = 10) -> list[dict[str, Any]]:
-    """The kernels by which step ``ours`` takes more GPU time than step ``base`` (two results of
-    :func:`step_launches`), the largest differences first: each kernel's name, the extra time
-    (s), both times and launch counts, and where ``ours`` launched it. A kernel of one step only
-    counts in full; the list sums to the kernel-time difference where nothing is faster in ours."""
+    """The ``top`` kernels by which step ``ours`` takes more GPU time than step ``base`` (two
+    results of :func:`step_launches`), the largest differences first: each kernel's name, the
+    extra time (s), both times and launch counts, and where ``ours`` launched it. Kernels match
+    by their full names: the same work done by another template instance in the other step
+    counts in full on each side, as does any kernel of one step only."""
     a, b = ours.get("kernel_times", {}), base.get("kernel_times", {})
     none = {"time_s": 0.0, "launches": 0, "from": {}}
     rows = []
@@ -258,5 +271,5 @@ def kernel_gap(ours: dict[str, Any], base: dict[str, Any], top: int = 10) -> lis
                      "time_s": x["time_s"], "base_time_s": y["time_s"],
                      "launches": x["launches"], "base_launches": y["launches"],
                      "from": x["from"]})
-    rows.sort(key=lambda r: -r["extra_s"])
+    rows.sort(key=lambda r: (-r["extra_s"], r["name"]))
     return [r for r in rows[:top] if r["extra_s"] > 0]

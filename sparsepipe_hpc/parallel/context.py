@@ -36,6 +36,7 @@ from halo.transport.collectives import ReduceGroup, allgatherv, allreduce_, bcas
 from sparsepipe_hpc.parallel.failures import disagreement
 from sparsepipe_hpc.parallel.gradients import DEFAULT_BUCKET_BYTES, GradientReducer
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
+from sparsepipe_hpc.parallel.spatial import check_payloads
 from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["ParallelContext"]
@@ -127,14 +128,11 @@ class ParallelContext:
         instead of the context's ``cuts`` mode.
         """
         self._check_open()
-        for i, p in enumerate(payloads):
-            if p.ndim == 0 or len(p) != x.num_voxels:
-                raise ValueError(f"distribute: payload {i} has shape {tuple(p.shape)}; it must "
-                                 f"have one row per voxel of the batch ({x.num_voxels})")
         if self.group is None:
+            check_payloads(x, payloads)
             return (x.replace(context=self), *payloads)
         domain = self.group.decompose(x, align=align, balanced=self.cuts_mode == "balanced",
-                                      cuts=cuts)
+                                      cuts=cuts, payloads=payloads)  # checked on every rank
         bound = self.bind(domain)
         if domain.grid.size == 1:  # one box holds the whole (bounds-checked) batch: no copy
             return (x.replace(context=bound, kmaps={}), *payloads)

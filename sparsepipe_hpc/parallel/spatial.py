@@ -49,7 +49,7 @@ from sparsepipe_hpc.parallel.failures import run_on_all
 from sparsepipe_hpc.sparse import SparseTensor, SparseTensorError
 from sparsepipe_hpc.tracing import profiled, span
 
-__all__ = ["SpatialGroup", "SpatialDomain"]
+__all__ = ["SpatialGroup", "SpatialDomain", "check_payloads"]
 
 
 @dataclass
@@ -99,6 +99,17 @@ class DistMaps:
 TransportSpec = Union[Transport, Callable[[Any], Transport], None]
 
 
+def check_payloads(x: SparseTensor, payloads: Sequence[Any]) -> None:
+    """Each payload is a tensor with one row per voxel of ``x`` (labels [N], features [N, C]);
+    TypeError or ValueError naming the first that is not."""
+    for i, p in enumerate(payloads):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"payload {i} is a {type(p).__name__}; payloads must be tensors")
+        if p.ndim == 0 or len(p) != x.num_voxels:
+            raise ValueError(f"payload {i} has shape {tuple(p.shape)}; it must have one row per "
+                             f"voxel of the batch ({x.num_voxels})")
+
+
 class SpatialGroup:
     """The ranks that share every sample of a replica: a Cartesian grid and its transport.
 
@@ -133,34 +144,39 @@ class SpatialGroup:
         self.grid.free()
 
     def decompose(self, x: SparseTensor, align: int = 1, balanced: bool = True,
-                  cuts: Optional[Cuts] = None) -> "SpatialDomain":
+                  cuts: Optional[Cuts] = None, payloads: Sequence[Any] = ()
+                  ) -> "SpatialDomain":
         """Cut the grid for a batch every rank of the group holds in full (collective).
 
         ``cuts``: explicit positions (level-0 voxels) instead of balanced or uniform ones; they
         must span the batch's extent on this group's grid (CutError otherwise, on every rank).
+        ``payloads``: per-voxel tensors that will be split with the batch, checked with it
+        (:func:`check_payloads`; ValueError or TypeError on every rank).
         """
         extent = [n * x.stride for n in x.spatial_shape]
 
         def check() -> tuple:
             x.validate("batch")
+            check_payloads(x, payloads)
             if cuts is not None and (cuts.dims != self.grid.dims or list(cuts.extent) != extent):
                 raise CutError(f"explicit cuts {cuts} are for a grid {cuts.dims} over extent "
                                f"{cuts.extent}; this group's grid is {self.grid.dims} and the "
                                f"batch's extent {tuple(extent)} (level-0 voxels)")
             return (x.num_voxels, int(coord_keys(x.coords).sum()), tuple(x.spatial_shape),
-                    x.batch_size, x.stride, align, balanced, repr(cuts))
+                    x.batch_size, x.stride, align, balanced, repr(cuts), len(payloads))
 
         # Collective from here on: the ranks agree first (two small allgathers) that each holds
         # the same valid batch and options, so a rank that differs stops them all, by name.
         outcome = run_on_all(self.grid.comm, check)
         if outcome.failures:
             rank, kind, msg = outcome.failures[0]
-            error = SparseTensorError if kind == "SparseTensorError" else CutError
+            error = {"SparseTensorError": SparseTensorError, "ValueError": ValueError,
+                     "TypeError": TypeError}.get(kind, CutError)
             raise error(f"{msg} (rank {rank} of the spatial group)")
         seen = self.grid.comm.allgather(outcome.value)
         if len(set(seen)) > 1:
             fields = ("voxels", "coordinate checksum", "spatial_shape", "batch_size", "stride",
-                      "align", "balanced", "cuts")
+                      "align", "balanced", "cuts", "payloads")
             differ = [f"{name}: " + ", ".join(f"rank {r} {v[i]}" for r, v in enumerate(seen))
                       for i, name in enumerate(fields) if len({v[i] for v in seen}) > 1]
             raise CutError(f"the ranks of the spatial group must decompose the same batch with "
@@ -278,6 +294,7 @@ class _DistConv(torch.autograd.Function):
             with profiled(_HALO):
                 contrib = engine.forward(feats, weight, halo_map)
             pending = _start(maps.exchange.start_adjoint, contrib)
+            del contrib  # not held through the local part (the exchange keeps what it sends)
             out = _overlapped(maps, pending, overlap,
                               lambda p: engine.forward(feats, weight, local, p))
             out += maps.wait(pending)

@@ -433,16 +433,23 @@ def test_bad_input_raises_on_every_rank(comm):
 
 
 def test_distribute_refuses_a_payload_without_a_row_per_voxel(comm):
-    """A payload (labels) one row short or long, or a scalar, is named on every rank, before any
-    collective; one of the right length is split as the voxels are."""
+    """A payload (labels) one row short or long, a scalar or not a tensor is named on every
+    rank, also where only rank 0 passes it; one of the right length is split as the voxels
+    are."""
     ctx = ParallelContext(comm, RankLayout(1, 1, (comm.size, 1, 1)), cuts="uniform")
     x = make_cloud(2, "random", shape=(16, 16, 16))
     labels = coord_keys(x.coords)
     for bad in (labels[1:], torch.cat([labels, labels[:1]]), labels[0]):
-        with pytest.raises(ValueError, match=re.escape(
-                f"payload 1 has shape {tuple(bad.shape)}; it must have one row per voxel of "
-                f"the batch ({len(labels)})")):
-            ctx.distribute(x, labels, bad)
+        for everywhere in (True, False):
+            with pytest.raises(ValueError, match=re.escape(
+                    f"payload 1 has shape {tuple(bad.shape)}; it must have one row per voxel "
+                    f"of the batch ({len(labels)})")):
+                ctx.distribute(x, labels, bad if everywhere or comm.rank == 0 else labels)
+    with pytest.raises(TypeError, match="payload 0 is a list; payloads must be tensors"):
+        ctx.distribute(x, labels.tolist())
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="they differ in payloads: rank 0 1, rank 1 2"):
+            ctx.distribute(x, *([labels] * (1 + comm.rank)))
     from helpers import HostReads
 
     with HostReads() as reads:
