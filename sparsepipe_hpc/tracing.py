@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch.profiler import record_function
 
-__all__ = ["Span", "Recorder", "recording", "span", "profiled", "to_chrome_trace",
+__all__ = ["Span", "Recorder", "recording", "span", "profiled", "profiling", "to_chrome_trace",
            "gather_chrome_trace"]
 
 
@@ -108,7 +108,7 @@ def span(name: str, cat: str, **args: Any) -> contextlib.AbstractContextManager[
     """
     rec = _active
     cm = rec.span(name, cat, **args) if rec is not None else contextlib.nullcontext(args)
-    return _profiled_too(cm, name) if _profiling() else cm
+    return _profiled_too(cm, name) if profiling() else cm
 
 
 def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
@@ -117,10 +117,10 @@ def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
     apart."""
     # No import in here: an import statement inside a profile with Python stacks is one way to
     # meet torch's bug with freed frame names (launches.step_launches).
-    return record_function(name) if _profiling() else contextlib.nullcontext()
+    return record_function(name) if profiling() else contextlib.nullcontext()
 
 
-def _profiling() -> bool:
+def profiling() -> bool:
     return torch.autograd._profiler_enabled()
 
 

@@ -47,7 +47,7 @@ from sparsepipe_hpc.engine.base import Engine
 from sparsepipe_hpc.kmaps import ConvEntry, ConvError, ConvSpec, cached_entry
 from sparsepipe_hpc.parallel.failures import run_on_all
 from sparsepipe_hpc.sparse import SparseTensor, SparseTensorError
-from sparsepipe_hpc.tracing import profiled, span
+from sparsepipe_hpc.tracing import profiled, profiling, span
 
 __all__ = ["SpatialGroup", "SpatialDomain", "check_payloads"]
 
@@ -340,6 +340,7 @@ class _DistConv(torch.autograd.Function):
 # A profile's names for the parts of a distributed convolution (tracing.profiled): in backward,
 # which the profiler's Python stacks miss, they tell where a kernel or a blocking call came from.
 _LOCAL, _HALO, _START = "dist_conv local part", "dist_conv halo part", "dist_conv halo start"
+_PROGRESS = "dist_conv halo progress"  # the exchange's test() between the local part's kernels
 
 
 def _start(start: Callable[[torch.Tensor], Any], rows: torch.Tensor) -> Any:
@@ -352,4 +353,15 @@ def _overlapped(maps: DistMaps, pending: Any, overlap: bool, compute):
     if not overlap:
         maps.wait(pending)  # idempotent: the later wait() returns the same result at once
     with profiled(_LOCAL):
-        return compute(None if not overlap else pending.test)
+        return compute(None if not overlap else _progress(pending))
+
+
+def _progress(pending: Any) -> Callable[[], bool]:
+    """``pending.test``, labelled in a profile (the transport's waits are not the local part's)."""
+    if not profiling():
+        return pending.test
+
+    def test() -> bool:
+        with profiled(_PROGRESS):
+            return pending.test()
+    return test

@@ -84,9 +84,10 @@ def test_overlap_on_off_and_delay_give_identical_results(comm):
 
 
 def test_a_profile_names_the_parts_of_each_distributed_convolution(comm):
-    """Under torch's profiler, the local part, the halo part, the exchange's start and its wait
-    are labelled ranges, in forward and in backward (where the profile has no Python frames to
-    put a kernel or a blocking call down to); outside a profile they dispatch nothing."""
+    """Under torch's profiler, the local part, the halo part, the exchange's start, its progress
+    calls and its wait are labelled ranges, in forward and in backward (where the profile has no
+    Python frames to put a kernel or a blocking call down to); outside a profile they dispatch
+    nothing."""
     from torch.profiler import ProfilerActivity, profile
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -101,7 +102,8 @@ def test_a_profile_names_the_parts_of_each_distributed_convolution(comm):
             while p is not None:
                 backward, p = backward or "Backward" in p.name, p.cpu_parent
             found.add((e.name, backward))
-    parts = ("dist_conv local part", "dist_conv halo part", "dist_conv halo start", "halo wait")
+    parts = ("dist_conv local part", "dist_conv halo part", "dist_conv halo start", "halo wait",
+             "dist_conv halo progress")
     assert {(n, b) for n in parts for b in (False, True)} <= found, sorted(found)
     ops: list[str] = []  # a dispatch mode sees every op, record_function's included
 
