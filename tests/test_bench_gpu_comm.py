@@ -112,6 +112,8 @@ def test_overlap_and_ranks_sections_on_two_cpu_ranks(tmp_path):
     assert rk["ratio_n_over_1"] == pytest.approx(rk["n_ranks"]["median_s"] / rk["one_rank"]["median_s"])
     assert isinstance(rk["shared_device"], bool) and CAVEAT in rk["note"]
     assert rk["launches"]["aten_ops"] > 100 and rk["launches"]["syncs"] == 0  # CPU: no CUDA calls
+    # Rank 0 alone, for the kernels the split adds (none on a CPU: no kernels at all).
+    assert rk["launches_one_rank"]["aten_ops"] > 100 and rk["kernel_gap"] == []
     assert "blocking calls" in proc.stdout
     for i, path in enumerate(r["trace"]):
         assert path.endswith(f"gpu_comm_rank{i}.json")

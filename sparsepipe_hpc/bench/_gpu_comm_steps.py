@@ -221,10 +221,13 @@ def ranks_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Mo
                   reducer: Optional[Callable[[Any], Any]] = None) -> dict[str, Any]:
     """The distributed step on all n ranks (grid n x 1 x 1, overlap on) versus the plain U-Net
     on rank 0 alone while the others sleep (collective over ``comm``); and what one more
-    distributed step asked of rank 0's device and host (``launches``: kernels, blocking calls
-    and where they come from, :func:`~sparsepipe_hpc.bench.launches.step_launches`)."""
+    distributed step asked of each rank's device and host (``launches``: kernels, blocking calls
+    and where they come from, :func:`~sparsepipe_hpc.bench.launches.step_launches`). Rank 0
+    also profiles one step alone (``launches_one_rank``) and lists the kernels by which its
+    part of the split step takes longer (``kernel_gap``: what the split adds, halo parts and
+    the group form of BatchNorm among them)."""
     from launch.env import available_cores
-    from sparsepipe_hpc.bench.launches import step_launches
+    from sparsepipe_hpc.bench.launches import kernel_gap, step_launches
     from sparsepipe_hpc.bench.spatial import step_fn
     from sparsepipe_hpc.parallel.context import ParallelContext
     from sparsepipe_hpc.parallel.layout import RankLayout
@@ -240,9 +243,15 @@ def ranks_section(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Mo
     comm.Barrier()
     launches = step_launches(dist, device, comm=comm)  # each rank its part of one more step
     ctx.close()
-    return {"one_rank": t["one_rank"], "n_ranks": t[f"{n}_ranks"], "ranks": n,
-            "ratio_n_over_1": t[f"{n}_ranks"]["median_s"] / t["one_rank"]["median_s"],
-            "shared_device": shared, "note": note, "launches": launches}
+    out = {"one_rank": t["one_rank"], "n_ranks": t[f"{n}_ranks"], "ranks": n,
+           "ratio_n_over_1": t[f"{n}_ranks"]["median_s"] / t["one_rank"]["median_s"],
+           "shared_device": shared, "note": note, "launches": launches}
+    if comm.Get_rank() == 0:  # what the split adds to rank 0's kernels, against one rank alone
+        one_launches = step_launches(one, device)
+        out["launches_one_rank"] = one_launches
+        out["kernel_gap"] = kernel_gap(launches, one_launches)
+    _idle_barrier(comm)
+    return out
 
 
 def write_traces(comm: Any, x: SparseTensor, make_net: Callable[[], torch.nn.Module],

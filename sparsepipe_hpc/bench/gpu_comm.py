@@ -211,6 +211,12 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
         say(f"ranks: one {n}-rank step on rank 0: {lc['kernels']} kernels, {lc['syncs']} "
             f"blocking calls, {lc['torch_host_syncs']} torch syncs; most frequent: "
             + ", ".join(f"{k} x{v}" for k, v in list(lc["sync_sites"].items())[:6]))
+        if rk.get("kernel_gap"):
+            say("ranks: rank 0's kernels in the split step over one rank's: "
+                + "; ".join(f"{g['extra_s'] * 1e3:+.2f} ms {g['name'][:60]} x{g['launches']} "
+                            f"(alone x{g['base_launches']})"
+                            + (f" from {next(iter(g['from']))}" if g["from"] else "")
+                            for g in rk["kernel_gap"][:5]))
         save()
     if args.trace:
         path = steps.write_traces(comm, x, unet, device, factory(0.0), args.trace_steps, align,
