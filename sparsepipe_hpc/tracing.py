@@ -121,6 +121,7 @@ def profiled(name: str) -> contextlib.AbstractContextManager[Any]:
 
 
 def profiling() -> bool:
+    """Whether torch's profiler is running (what :func:`profiled` asks)."""
     return torch.autograd._profiler_enabled()
 
 

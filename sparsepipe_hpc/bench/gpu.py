@@ -60,7 +60,7 @@ from sparsepipe_hpc.bench.common import environment, time_alternating, write_jso
 from sparsepipe_hpc.bench._gpu_tables import (SKIP_CPU_AUTOCAST, autocast, batchnorm_table,
                                               kernel_maps_table, layer_table, spconv_runs,
                                               strided_table, switched, triton_skip, variants)
-from sparsepipe_hpc.bench.launches import kernel_gap, step_launches
+from sparsepipe_hpc.bench.launches import describe_gap, kernel_gap, step_launches
 from sparsepipe_hpc.sparse import SparseTensor
 
 __all__ = ["main", "build_parser", "synthetic_rooms", "unet_steps", "PRECISIONS"]
@@ -254,10 +254,7 @@ def main(argv: list[str]) -> None:
         for net, gap in steps.get("kernel_gap", {}).items() if base.get("kernels") else ():
             extra = steps["launches"][net]["kernel_time_s"] - base["kernel_time_s"]
             print(f"{name} kernel time {net} over spconv_unet: {extra * 1e3:+.2f} ms; most: "
-                  + "; ".join(f"{g['extra_s'] * 1e3:+.2f} ms {g['name'][:60]} x{g['launches']} "
-                              f"(plain x{g['base_launches']})"
-                              + (f" from {next(iter(g['from']))}" if g["from"] else "")
-                              for g in gap[:5]))
+                  + describe_gap(gap, "plain"))
         if "time_ratio_distributed_1x1x1_over_spconv" in steps:
             print(f"{name} distributed / spconv: time "
                   f"{steps['time_ratio_distributed_1x1x1_over_spconv']:.2f}")

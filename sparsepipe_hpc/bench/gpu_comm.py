@@ -171,6 +171,7 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
     ``save()`` after each section."""
     from sparsepipe_hpc.bench import _gpu_comm_steps as steps
     from sparsepipe_hpc.bench.common import synthetic_room
+    from sparsepipe_hpc.bench.launches import describe_gap
     from sparsepipe_hpc.nn import SparseUNet
 
     n = comm.Get_size()
@@ -213,10 +214,7 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
             + ", ".join(f"{k} x{v}" for k, v in list(lc["sync_sites"].items())[:6]))
         if rk.get("kernel_gap"):
             say("ranks: rank 0's kernels in the split step over one rank's: "
-                + "; ".join(f"{g['extra_s'] * 1e3:+.2f} ms {g['name'][:60]} x{g['launches']} "
-                            f"(alone x{g['base_launches']})"
-                            + (f" from {next(iter(g['from']))}" if g["from"] else "")
-                            for g in rk["kernel_gap"][:5]))
+                + describe_gap(rk["kernel_gap"], "alone"))
         save()
     if args.trace:
         path = steps.write_traces(comm, x, unet, device, factory(0.0), args.trace_steps, align,

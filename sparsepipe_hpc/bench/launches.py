@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["step_launches", "summarize", "kernel_gap"]
+__all__ = ["step_launches", "summarize", "kernel_gap", "describe_gap"]
 
 _BLOCKING = ("Synchronize", "cudaMemcpy", "cuMemcpy")  # cudaMemcpy (not Async) waits too
 
@@ -253,7 +253,7 @@ def _busy(kernels: list[Any]) -> tuple[float, float]:
             busy, end = busy + b - a, b
         elif b > end:
             busy, end = busy + b - end, b
-    return busy / 1e6, (max(b for _, b in spans) - spans[0][0]) / 1e6 if spans else 0.0
+    return busy / 1e6, (end - spans[0][0]) / 1e6 if spans else 0.0
 
 
 def kernel_gap(ours: dict[str, Any], base: dict[str, Any], top: int = 10) -> list[dict[str, Any]]:
@@ -273,3 +273,12 @@ def kernel_gap(ours: dict[str, Any], base: dict[str, Any], top: int = 10) -> lis
                      "from": x["from"]})
     rows.sort(key=lambda r: (-r["extra_s"], r["name"]))
     return [r for r in rows[:top] if r["extra_s"] > 0]
+
+
+def describe_gap(gap: list[dict[str, Any]], base: str, top: int = 5) -> str:
+    """One line of :func:`kernel_gap`'s first ``top`` rows: extra ms, kernel, launches against
+    ``base``'s, and where the first of its sites launched it."""
+    return "; ".join(f"{g['extra_s'] * 1e3:+.2f} ms {g['name'][:60]} x{g['launches']} "
+                     f"({base} x{g['base_launches']})"
+                     + (f" from {next(iter(g['from']))}" if g["from"] else "")
+                     for g in gap[:top])

@@ -353,7 +353,7 @@ def _overlapped(maps: DistMaps, pending: Any, overlap: bool, compute):
     if not overlap:
         maps.wait(pending)  # idempotent: the later wait() returns the same result at once
     with profiled(_LOCAL):
-        return compute(None if not overlap else _progress(pending))
+        return compute(_progress(pending) if overlap else None)
 
 
 def _progress(pending: Any) -> Callable[[], bool]:
