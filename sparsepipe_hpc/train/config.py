@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "voxelizes the whole batch, then keeps its box) or distributed (each rank reads "
                    "only its share of every sample's points and the voxels move to their owners: "
                    "memory and input time per rank fall with the grid, same result); default "
-                   "auto: distributed for seg on a spatial grid without pipeline stages")
+                   "auto: distributed for seg on a spatial grid without pipeline stages or "
+                   "micro-batches")
     g.add_argument("--prefetch", action=argparse.BooleanOptionalAction,
                    help="read and voxelize the next step's samples on a host thread while this "
                    "step computes (default: on with --device cuda, off on a CPU, whose cores the "
