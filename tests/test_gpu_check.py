@@ -69,7 +69,7 @@ def test_shards_run_every_test_once_and_fail_if_one_fails(tmp_path):
     body = """\
         import pytest
 
-        @pytest.mark.parametrize("i", range(5))
+        @pytest.mark.parametrize("i", range(11))
         def test_ok(i):
             pass
 
@@ -78,12 +78,14 @@ def test_shards_run_every_test_once_and_fail_if_one_fails(tmp_path):
         """
     proc = _shards(tmp_path, body)
     out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 1 and "6 tests in 2 shards" in out, out
-    logs = [(tmp_path / f"log-{k}.log").read_text() for k in range(2)]
-    assert "3 passed" in logs[0] and "1 failed, 2 passed" in logs[1], logs  # dealt round-robin
+    assert proc.returncode == 1 and "12 tests in 8 chunks, 2 at a time" in out, out
+    logs = [log.read_text().splitlines()[-1] for log in tmp_path.glob("log-*.log")]
+    counts = [sum(int(m) for log in logs for m in re.findall(rf"(\d+) {word}", log))
+              for word in ("passed", "failed")]
+    assert len(logs) == 8 and counts == [11, 1], logs
     proc = _shards(tmp_path, body.replace("assert False", "assert True"), n=4)
     out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0 and out.count(": exit 0 at ") == 4, out
+    assert proc.returncode == 0 and out.count(": exit 0 at ") == 12, out  # 16 chunks for 12
 
 
 def test_sigterm_ends_every_shard(tmp_path):
@@ -101,7 +103,7 @@ def test_sigterm_ends_every_shard(tmp_path):
     pid = int(list(tmp_path.glob("pid-*"))[0].name[4:])
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=30)[0]
-    assert proc.returncode == 124 and "every shard ended" in out, out
+    assert proc.returncode == 124 and "every running chunk ended" in out, out
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
