@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import zlib
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -26,6 +28,21 @@ def pytest_report_header(config):
     except Exception as e:  # pragma: no cover - informational only
         lines.append(f"MPI: unavailable ({e})")
     return lines
+
+
+@pytest.fixture(autouse=True)
+def fresh_tmpdir_for_subprocesses(monkeypatch):
+    """The processes a test starts get an empty ``TMPDIR`` of their own, removed afterwards.
+
+    Open MPI's launcher keeps its session files in ``$TMPDIR/ompi.<launcher pid>``. A launcher
+    killed by SIGKILL (a timeout, by hand) leaves them behind, and a later launcher given the
+    same pid -- pids wrap at 32768 on the CI machine -- stops at once: "The PMIx server's listener
+    thread failed to start", exit 213. This process keeps the machine's tmp directory:
+    ``tempfile`` fixed it at its first call, which is at the latest the one here."""
+    path = tempfile.mkdtemp(prefix="sp-", dir=tempfile.gettempdir())
+    monkeypatch.setenv("TMPDIR", path)
+    yield
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

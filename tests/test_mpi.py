@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -153,3 +154,38 @@ def test_fixture_failing_on_one_rank_fails_the_test_on_every_rank(tmp_path):
     assert "setup failed on 1 other rank(s)" in proc.stdout
     assert "bad fixture on rank 1 (injected)" in proc.stdout
     assert "aborting" not in proc.stderr and "PASSED" not in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# The suite's own processes: a killed launcher's leftovers do not stop the next launch
+
+
+def _plant_stale_launcher_sessions(tmp: Path, count: int) -> None:
+    """Open MPI's session files, as a launcher killed by SIGKILL leaves them in ``tmp``, for each
+    of the next ``count`` pids."""
+    host = socket.gethostname().split(".")[0]
+    pid_max = Path("/proc/sys/kernel/pid_max")
+    wrap = int(pid_max.read_text()) if pid_max.exists() else 1 << 22
+    last = int(subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True).stdout)
+    for pid in ((last + i) % wrap for i in range(1, count + 1)):
+        (tmp / f"ompi.{pid}").mkdir(exist_ok=True)
+        (tmp / f"ompi.{pid}" / f"pmix.{host}.tool").write_text("stale\n")
+
+
+def test_a_killed_launchers_leftovers_do_not_stop_the_suites_launches(tmp_path):
+    machine_tmp = tmp_path / "machine-tmp"
+    machine_tmp.mkdir()
+    _plant_stale_launcher_sessions(machine_tmp, 500)
+    env = dict(mpi_env(), TMPDIR=str(machine_tmp))
+    launch = mpirun_command(1) + ["true"]
+    plain = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=60)
+    if plain.returncode == 0:
+        pytest.skip("this MPI's launcher starts beside stale session files")
+    # The same launch from a test, through the suite's conftest.
+    (tmp_path / "conftest.py").write_text((HERE / "conftest.py").read_text())
+    (tmp_path / "test_generated.py").write_text(
+        f"import subprocess\n\n\ndef test_launch():\n"
+        f"    subprocess.run({launch!r}, check=True, timeout=60)\n")
+    proc = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-o", "addopts=", "test_generated.py"], 120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, plain.stderr + proc.stdout + proc.stderr
