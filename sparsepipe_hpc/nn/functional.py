@@ -70,7 +70,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         _check_count(len(x) if len(x) >= 2 or group_size(comm) == 1 else float(n))
         mean, var = _moments(stats, c)
         if stats_out is None:
-            update_running_stats(stats, running_mean, running_var, momentum, checked=True)
+            _fold_running(mean, var, n, running_mean, running_var, momentum)
         else:  # deferred: the caller folds the mini-batch's sums in once (BatchNorm.commit)
             stats_out.add_(stats.to(stats_out.dtype))
         mean, var = mean.to(x.dtype), var.to(x.dtype)
@@ -163,6 +163,13 @@ def update_running_stats(stats: torch.Tensor, running_mean: torch.Tensor,
     if not checked:
         _check_count(float(n))
     mean, var = _moments(stats, c)
+    _fold_running(mean, var, n, running_mean, running_var, momentum)
+
+
+def _fold_running(mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor,
+                  running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float) -> None:
+    """Momentum-average one batch's mean and biased variance [C] over ``n`` voxels into the
+    running statistics (the variance unbiased first), as torch's BatchNorm does."""
     with torch.no_grad():
         running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
         running_var.mul_(1 - momentum).add_(momentum * (var * n / (n - 1)).to(running_var.dtype))
