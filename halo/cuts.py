@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from halo.kmap import value_counts
+from halo.kmap import MAX_EXTENT, value_counts
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -100,6 +100,7 @@ class Cuts:
             fixed.append(arr)
         object.__setattr__(self, "bounds", tuple(fixed))
         object.__setattr__(self, "align", int(self.align))
+        _check_extent_dims(self.extent, self.dims, self.align)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Cuts) and self.align == other.align
@@ -205,6 +206,9 @@ def _check_extent_dims(extent: Sequence[int], dims: Sequence[int], align: int) -
     d = _triple(dims, "dims")
     if min(e) < 1:
         raise CutError(f"extent {e} has an axis of {min(e)} voxels; every axis needs at least 1")
+    if max(e) > MAX_EXTENT:
+        raise CutError(f"extent {e} has an axis of {max(e)} voxels; at most {MAX_EXTENT} per axis "
+                       f"(halo.kmap.MAX_EXTENT: the range of its voxel keys)")
     if min(d) < 1:
         raise CutError(f"dims {d} has an axis with {min(d)} boxes; every axis needs at least 1")
     if align < 1:

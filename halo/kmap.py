@@ -25,9 +25,14 @@ from typing import Any, Optional, Sequence
 import torch
 
 __all__ = ["KernelMap", "kernel_map", "kernel_offsets", "output_coords", "strided_map", "coord_keys",
-           "decode_keys", "lookup", "value_counts", "true_at", "windows_tile"]
+           "decode_keys", "lookup", "value_counts", "true_at", "windows_tile", "MAX_EXTENT",
+           "MAX_BATCH"]
 
 _BITS = 18  # bits per spatial axis: coordinates in [-2**17, 2**17); batch index below 2**9
+# What the keys are used for: grids of up to MAX_EXTENT voxels per axis, with room for a kernel's
+# reach and padding past either face, and up to MAX_BATCH samples.
+MAX_EXTENT = 1 << 16
+MAX_BATCH = 1 << 8
 _HALF = 1 << (_BITS - 1)
 _TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
 _QUERY_BLOCK = 1 << 24  # kernel-map lookups per group of offsets (~0.5 GB of int64 work arrays)

@@ -9,11 +9,13 @@ tensors with N rows of any trailing shape and dtype. Rows arrive sorted by
 :func:`halo.kmap.coord_keys`, so the result does not depend on which rank contributed what.
 Transport is ``Alltoallv`` / ``Gatherv`` on raw bytes of host copies (buffer protocol, no
 pickling); this is for set-up and I/O, not the training hot path. Bad input (out-of-extent
-coordinates, mismatched rows or trailing shapes) raises OwnershipError on every rank.
+coordinates, batch indices outside [0, MAX_BATCH), mismatched rows, or cuts, stride, dtypes or
+trailing shapes that differ between ranks) raises OwnershipError on every rank.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Optional
 
 import numpy as np
@@ -22,7 +24,7 @@ from mpi4py import MPI
 
 from halo.cuts import Cuts
 from halo.grid import ProcessGrid
-from halo.kmap import coord_keys
+from halo.kmap import MAX_BATCH, coord_keys
 
 __all__ = ["OwnershipError", "owner_ranks", "distribute", "gather"]
 
@@ -45,50 +47,58 @@ def owner_ranks(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, stride: int
 
 def _problems(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, payloads, stride: int) -> str:
     """A description of what is wrong with this rank's input, or ''."""
+    if tuple(cuts.dims) != tuple(grid.dims):
+        return f"cuts are for a grid {cuts.dims} but the process grid is {grid.dims}"
+    if not isinstance(stride, (int, np.integer)) or stride < 1:
+        return f"stride is {stride!r}; it must be a positive integer"
+    problem = _rows_problem(coords, payloads)
+    if problem or not len(coords):
+        return problem
+    hi = torch.tensor([cuts.axis_bounds(a, stride)[-1] for a in range(3)])
+    xyz = coords[:, 1:].long().cpu()
+    batch = coords[:, 0].long().cpu()
+    bad = ((xyz < 0) | (xyz >= hi)).any(1) | (batch < 0) | (batch >= MAX_BATCH)
+    if bad.any():
+        row = int(torch.nonzero(bad)[0])
+        return (f"coords row {row} is {coords[row].tolist()}, outside the extent "
+                f"{tuple(hi.tolist())} at stride {stride} or batch [0, {MAX_BATCH}) "
+                f"({int(bad.sum())} such rows)")
+    return ""
+
+
+def _rows_problem(coords: torch.Tensor, payloads) -> str:
+    """What is wrong with the shapes of ``coords`` and the payloads, or ''."""
     if coords.ndim != 2 or coords.shape[1] != 4:
         return f"coords has shape {tuple(coords.shape)}; expected [N, 4] (batch, x, y, z)"
     for i, p in enumerate(payloads):
         if p.ndim < 1 or p.shape[0] != coords.shape[0]:
             return f"payload {i} has shape {tuple(p.shape)}; expected {coords.shape[0]} rows"
-    if len(coords):
-        hi = torch.tensor([cuts.axis_bounds(a, stride)[-1] for a in range(3)])
-        xyz = coords[:, 1:].long().cpu()
-        bad = ((xyz < 0) | (xyz >= hi)).any(1) | (coords[:, 0].cpu() < 0)
-        if bad.any():
-            row = int(torch.nonzero(bad)[0])
-            return (f"coords row {row} is {coords[row].tolist()}, outside the extent "
-                    f"{tuple(hi.tolist())} at stride {stride} ({int(bad.sum())} such rows)")
     return ""
 
 
-def _signature(payloads) -> np.ndarray:
-    """Per-payload (elements per row, bytes per element): must agree on every rank."""
-    sig = [len(payloads)]
-    for p in payloads:
-        sig += [int(np.prod(p.shape[1:], dtype=np.int64)), p.element_size()]
-    return np.array(sig, np.int64)
+def _signature(tensors, setting: str) -> tuple[np.ndarray, str]:
+    """What every rank must pass alike, as int64 codes and in words: each tensor's elements per
+    row and dtype (rows travel as bytes and are read back as the receiver's dtype), and
+    ``setting`` (cuts and stride)."""
+    words = [setting] + [f"{t.dtype} x {tuple(t.shape[1:])}" for t in tensors]
+    return np.array([len(tensors), zlib.crc32("; ".join(words).encode())], np.int64), \
+        "; ".join(words)
 
 
-def _agree(comm: MPI.Comm, problem: str, payloads) -> None:
-    """Raise OwnershipError on every rank if any rank found a problem or payloads differ."""
-    sig = _signature(payloads)
-    n = np.array([len(sig)], np.int64)
-    nmax = np.zeros(1, np.int64)
-    comm.Allreduce(n, nmax, op=MPI.MAX)
-    buf = np.full(int(nmax[0]) + 1, -1, np.int64)
-    buf[0] = 1 if problem else 0
-    buf[1:1 + len(sig)] = sig
-    lo, hi = np.empty_like(buf), np.empty_like(buf)
-    comm.Allreduce(buf, hi, op=MPI.MAX)
-    comm.Allreduce(buf, lo, op=MPI.MIN)
+def _agree(comm: MPI.Comm, problem: str, tensors, setting: str = "") -> None:
+    """Raise OwnershipError on every rank if any rank found a problem or the ranks' tensors
+    (coords, then payloads) or ``setting`` differ."""
+    sig, words = _signature(tensors, setting)
+    buf = np.concatenate([[1 if problem else 0], sig, -sig])
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)  # maxima, and minima negated: one collective
     if problem:
         raise OwnershipError(problem)
-    if hi[0]:
+    if buf[0]:
         raise OwnershipError("another rank passed bad rows; see its error")
-    if not np.array_equal(lo[1:], hi[1:]):
-        raise OwnershipError(f"payloads differ between ranks (count, then elements per row and "
-                             f"bytes per element of each): here {sig.tolist()}; every rank must "
-                             f"pass the same payloads")
+    if not np.array_equal(buf[1:3], -buf[3:]):
+        raise OwnershipError(f"ranks passed different arguments (cuts, stride, or the dtype or "
+                             f"row shape of coords or a payload): here {words}; every rank "
+                             f"must pass the same")
 
 
 def _rows_as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -119,7 +129,8 @@ def distribute(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, *payloads: t
     sorted by key; devices and dtypes are kept. Any rank may contribute any rows (or none).
     """
     comm = grid.comm
-    _agree(comm, _problems(grid, cuts, coords, payloads, stride), payloads)
+    _agree(comm, _problems(grid, cuts, coords, payloads, stride), (coords, *payloads),
+           f"cuts {cuts!r}, stride {stride}")
     owner = owner_ranks(grid, cuts, coords, stride).cpu()
     order = torch.sort(owner, stable=True)[1]
     send_n = np.bincount(owner.numpy(), minlength=grid.size).astype(np.int64)
@@ -147,13 +158,7 @@ def gather(grid: ProcessGrid, coords: torch.Tensor, *payloads: torch.Tensor,
     Other ranks get None. Rows are concatenated as they are; duplicates are kept.
     """
     comm = grid.comm
-    problem = ""
-    if coords.ndim != 2 or coords.shape[1] != 4:
-        problem = f"coords has shape {tuple(coords.shape)}; expected [N, 4] (batch, x, y, z)"
-    for i, p in enumerate(payloads):
-        if not problem and (p.ndim < 1 or p.shape[0] != coords.shape[0]):
-            problem = f"payload {i} has shape {tuple(p.shape)}; expected {coords.shape[0]} rows"
-    _agree(comm, problem, payloads)
+    _agree(comm, _rows_problem(coords, payloads), (coords, *payloads), f"root {root!r}")
     n = np.array([len(coords)], np.int64)
     counts = np.empty(grid.size, np.int64) if grid.rank == root else None
     comm.Gather(n, counts, root=root)

@@ -34,6 +34,7 @@ them. The exchange is counts first, then coordinates, both point-to-point throug
 from __future__ import annotations
 
 import itertools
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional, Sequence
 
@@ -41,9 +42,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from halo.cuts import Cuts
+from halo.cuts import CutError, Cuts
 from halo.grid import ProcessGrid
-from halo.kmap import KernelMap, coord_keys, kernel_map, output_coords, true_at
+from halo.kmap import (MAX_BATCH, MAX_EXTENT, KernelMap, coord_keys, kernel_map,
+                       output_coords, true_at)
 from halo.transport.base import Transport
 
 __all__ = ["PlanError", "HaloPlan", "PlanCache", "build_plan", "halo_radius", "boundary_rows",
@@ -266,33 +268,48 @@ def interior_rows(halo_map: KernelMap) -> torch.Tensor:
     return torch.nonzero(mask).reshape(-1)
 
 
-def _shape_problem(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor) -> str:
-    """What is wrong with the arguments' shapes and types, read without the device; "" if
-    nothing."""
+def _shape_problem(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
+                   stride: int) -> str:
+    """What is wrong with the arguments' shapes, types and settings, read without the device;
+    "" if nothing."""
     if tuple(cuts.dims) != tuple(grid.dims):
         return f"cuts are for a grid {cuts.dims} but the process grid is {grid.dims}"
     if coords.ndim != 2 or coords.shape[1] != 4:
         return f"coords has shape {tuple(coords.shape)}; expected [N, 4] (batch, x, y, z)"
     if coords.dtype not in (torch.int32, torch.int64):
         return f"coords has dtype {coords.dtype}; expected int32"
+    if not isinstance(radius, (int, np.integer)) or radius < 0:
+        return f"radius is {radius!r}; it must be an integer >= 0"
+    if not isinstance(stride, (int, np.integer)) or stride < 1:
+        return f"stride is {stride!r}; it must be a positive integer"
     return ""
 
 
 def _contract_checks(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, stride: int,
-                     sorted_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     sorted_keys: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """On the rows' device, nothing read back: (grid position of each row int64 [N, 3], rows
-    outside this rank's box bool [N], keys equal to the next sorted one bool [max(N - 1, 0)])."""
+    outside this rank's box bool [N], keys equal to the next sorted one bool [max(N - 1, 0)],
+    rows the voxel keys cannot hold bool [N]: a batch index outside [0, MAX_BATCH) or a
+    coordinate outside [-MAX_EXTENT, MAX_EXTENT))."""
     g = torch.as_tensor(cuts.locate(coords[:, 1:], stride))
     mine = torch.tensor(grid.coords).to(g.device, non_blocking=True)
-    return g, (g != mine).any(1), sorted_keys[1:] == sorted_keys[:-1]
+    b, xyz = coords[:, 0], coords[:, 1:]
+    unkeyed = (b < 0) | (b >= MAX_BATCH) | ((xyz < -MAX_EXTENT) | (xyz >= MAX_EXTENT)).any(1)
+    return g, (g != mine).any(1), sorted_keys[1:] == sorted_keys[:-1], unkeyed
 
 
 def _coords_problem(grid: ProcessGrid, coords: torch.Tensor, stride: int,
-                    checks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], order: torch.Tensor,
-                    n_bad: int, n_dup: int) -> str:
-    """The first row that breaks the contract, named, from :func:`_contract_checks` and its two
+                    checks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                    order: torch.Tensor, n_bad: int, n_dup: int, n_unkeyed: int) -> str:
+    """The first row that breaks the contract, named, from :func:`_contract_checks` and its
     counts (read already); "" if none."""
-    g, bad, dup = checks
+    g, bad, dup, unkeyed = checks
+    if n_unkeyed:  # first: such rows' keys may collide, and look like duplicates
+        row = int(torch.nonzero(unkeyed)[0])
+        return (f"coords row {row} is {coords[row].tolist()}: batch indices must lie in "
+                f"[0, {MAX_BATCH}) and coordinates in [{-MAX_EXTENT}, {MAX_EXTENT}) "
+                f"(halo.kmap's voxel keys; {n_unkeyed} such rows)")
     if n_bad:
         row = int(torch.nonzero(bad)[0])
         return (f"coords row {row} is {coords[row].tolist()}, owned by grid position "
@@ -341,16 +358,20 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
     coords int32 [N, 4]: the voxels this rank owns, global indices at ``stride`` (N may be 0).
     radius: halo width in voxels at ``stride`` (see :func:`halo_radius`). transport: moves counts
     and coordinates; default :class:`halo.transport.MPITransport` on ``grid.comm``.
-    Raises PlanError / CutError on every rank for thin boxes or rows this rank does not own.
+    Raises PlanError / CutError on every rank for thin boxes, rows this rank does not own or
+    the voxel keys cannot hold, or cuts, radius or stride that differ between ranks.
     """
-    if radius < 0:
-        raise PlanError(f"radius is {radius}; it must be >= 0")
-    cuts.check_thickness(radius, stride)  # pure: raises alike on every rank
-    problem = _shape_problem(grid, cuts, coords)
+    problem = _shape_problem(grid, cuts, coords, radius, stride)
+    thin: Optional[CutError] = None
+    if not problem:
+        try:
+            cuts.check_thickness(radius, stride)  # raised below, once the ranks agree on cuts
+        except CutError as e:
+            thin = e
     nbrs = [r for r, _ in grid.neighbours()]
     inside: list[torch.Tensor] = []
     batched, checked = False, []
-    if not problem:
+    if not problem and thin is None:
         # One key sort serves the contract's duplicate test and the send selection, and the
         # counts of both come back in one copy: one device wait, where each took its own.
         sorted_keys, order = torch.sort(coord_keys(coords))
@@ -358,22 +379,30 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
         boxes = [halo_boxes(cuts, grid.coords_of(r), stride) for r in nbrs]
         inside = _inside(coords, order, boxes, radius) if radius > 0 and nbrs else []
         batched = coords.is_cuda and bool(inside)
-        sums = [checks[1].sum().view(1), checks[2].sum().view(1)]
+        sums = [checks[1].sum().view(1), checks[2].sum().view(1), checks[3].sum().view(1)]
         checked = torch.cat(sums + ([torch.stack(inside).sum(1)] if batched else [])).tolist()
-        problem = _coords_problem(grid, coords, stride, checks, order, checked[0], checked[1])
-    # Agree first, so that one rank's bad rows stop every rank before the point-to-point phase.
-    flags = np.array([1 if problem else 0], np.int64)
-    grid.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.SUM)
+        problem = _coords_problem(grid, coords, stride, checks, order, *checked[:3])
+    # Agree first, so that one rank's bad rows stop every rank before the point-to-point phase;
+    # and on the arguments every rank must pass alike (each would plan with its own).
+    setting = f"cuts {cuts!r}, radius {radius}, stride {stride}"
+    code = zlib.crc32(setting.encode())
+    flags = np.array([1 if problem else 0, code, -code], np.int64)
+    grid.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)  # maxima, and minima negated
     if problem:
         raise PlanError(f"build_plan on rank {grid.rank}: {problem}")
     if flags[0]:
-        raise PlanError(f"build_plan: {int(flags[0])} rank(s) passed bad coords; see their errors")
+        raise PlanError("build_plan: another rank passed bad coords; see its error")
+    if flags[1] != -flags[2]:
+        raise PlanError(f"build_plan: ranks passed different arguments; here {setting}; every "
+                        f"rank must pass the same")
+    if thin is not None:
+        raise thin
     if transport is None:
         from halo.transport.mpi import MPITransport
 
         transport = MPITransport(grid.comm)
     dev = coords.device
-    rows = _rows_inside(order, inside, batched, checked[2:]) if inside else \
+    rows = _rows_inside(order, inside, batched, checked[3:]) if inside else \
         [torch.zeros(0, dtype=torch.int64, device=dev) for _ in nbrs]
     coords = coords.int()
     send_ranks = [r for r, rw in zip(nbrs, rows) if len(rw)]

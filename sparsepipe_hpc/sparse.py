@@ -25,10 +25,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["SparseTensor", "SparseTensorError", "MAX_EXTENT", "MAX_BATCH"]
+from halo.kmap import MAX_BATCH, MAX_EXTENT
 
-MAX_EXTENT = 1 << 16  # voxels per axis (halo.kmap keys hold coordinates in [-2**17, 2**17))
-MAX_BATCH = 1 << 8
+__all__ = ["SparseTensor", "SparseTensorError", "MAX_EXTENT", "MAX_BATCH"]
 
 
 class SparseTensorError(ValueError):

@@ -33,6 +33,7 @@ def test_uniform_cuts_refuse_more_boxes_than_units():
     (([1, 8], [0, 8], [0, 8]), "must run from 0"),
     (([0, 3, 8], [0, 8], [0, 8]), "multiples of align=2"),
     (([0, 8], [0, 8]), "needs 3"),
+    (([0, 2, 65538], [0, 8], [0, 8]), "has an axis of 65538 voxels; at most 65536 per axis"),
 ])
 def test_cuts_contract(bounds, msg):
     with pytest.raises(CutError, match=msg):

@@ -101,6 +101,22 @@ def test_a_peer_event_waits_for_its_latest_record_before_the_wait(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_sim_ipc_files_go_with_their_owner_though_never_freed(tmp_path):
+    """A transport that never reached its collective close (an exception on the way) leaves no
+    files behind once its memory object is gone, or at the latest when the process exits."""
+    import gc
+
+    from halo.transport.ipc_memory import SimIPCMemory
+
+    memory = SimIPCMemory(str(tmp_path))
+    memory.alloc(64)
+    memory.event()
+    assert len(list(tmp_path.iterdir())) == 2
+    del memory
+    gc.collect()
+    assert not list(tmp_path.iterdir())
+
+
 def test_event_query_and_synchronize_on_a_held_stream():
     dev = SimDevice()
     dev.compute.hold()

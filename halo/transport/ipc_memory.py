@@ -15,7 +15,10 @@ events as GPU processes do. :mod:`halo.transport.ipc` runs its protocol on eithe
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -167,10 +170,10 @@ class SimIPCMemory:
         self.folder = folder
         self._own: list[str] = []
         self._peer_events: dict[bytes, torch.Tensor] = {}
+        # The files a failed close or an exception left, at the latest when the process exits
+        weakref.finalize(self, _unlink, self._own)
 
     def _file(self, nbytes: int) -> bytes:
-        import os
-
         SimIPCMemory._made += 1
         path = os.path.join(self.folder, f"{PREFIX}{os.getpid()}-{SimIPCMemory._made}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -210,8 +213,12 @@ class SimIPCMemory:
         self._peer_events = {}  # the buffers' mappings go with their tensors
 
     def free_own(self) -> None:
-        import os
+        _unlink(self._own)  # mappings stay valid; the names go
 
-        for path in self._own:
-            os.unlink(path)  # mappings stay valid; the name goes
-        self._own = []
+
+def _unlink(paths: list[str]) -> None:
+    """Remove the files at ``paths`` (those already gone too) and empty the list."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    paths.clear()

@@ -137,7 +137,7 @@ class ParallelContext:
         if domain.grid.size == 1:  # one box holds the whole (bounds-checked) batch: no copy
             return (x.replace(context=bound, kmaps={}), *payloads)
         # The rows found once (on a GPU, each boolean selection waits for the device).
-        rows = domain.owned_rows(x.coords).nonzero().squeeze(1)
+        rows = domain.owned_rows(x.coords, stride=x.stride).nonzero().squeeze(1)
         local = x.replace(coords=x.coords.index_select(0, rows),
                           feats=x.feats.index_select(0, rows), context=bound, kmaps={})
         return (local, *(p.index_select(0, rows.to(p.device)) for p in payloads))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import halo
-from halo.kmap import coord_keys
+from halo.kmap import MAX_BATCH, coord_keys
 from halo.balance import bin_widths, grid_histogram
 from halo.reference import reference_owner
 from halo.synth import boundary_cloud, clustered_cloud, with_batch
@@ -80,8 +80,21 @@ def test_distribute_errors_on_every_rank(comm, rng):
         halo.distribute(grid, cuts, bad, feats)
     wide = torch.zeros(1, 3) if grid.rank == comm.size - 1 else feats
     if comm.size > 1:
-        with pytest.raises(halo.OwnershipError, match="payloads differ between ranks"):
+        with pytest.raises(halo.OwnershipError, match="ranks passed different arguments"):
             halo.distribute(grid, cuts, coords, wide)
+    last = grid.rank == comm.size - 1
+    batch_512 = torch.tensor([[MAX_BATCH, 1, 2, 3]], dtype=torch.int32)
+    with pytest.raises(halo.OwnershipError, match="or batch \\[0, 256\\)|another rank"):
+        halo.distribute(grid, cuts, batch_512 if grid.rank == 0 else coords, feats)
+    mine = coords if grid.rank == 0 else coords[:0]  # the others have no rows to check
+    with pytest.raises(halo.OwnershipError, match="stride is 0; it must be a positive integer"):
+        halo.distribute(grid, cuts, mine, feats[:len(mine)], stride=0)
+    if comm.size > 1:  # bytes read back as another dtype; rows owned under other cuts
+        for args in [(cuts, coords, feats.double() if last else feats),
+                     (cuts, coords.long() if last else coords, feats),
+                     (halo.uniform_cuts((48, 40, 31), grid.dims) if last else cuts, coords, feats)]:
+            with pytest.raises(halo.OwnershipError, match="ranks passed different arguments"):
+                halo.distribute(grid, *args)
     c, f = halo.distribute(grid, cuts, coords, feats)  # still in step afterwards
     assert len(c) == (comm.size if grid.rank == halo.owner_ranks(grid, cuts, coords)[0] else 0)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import halo
-from halo.kmap import coord_keys, kernel_map, output_coords
+from halo.kmap import MAX_BATCH, MAX_EXTENT, coord_keys, kernel_map, output_coords
 from halo.reference import reference_halo, reference_neighbours, reference_owner
 from halo.synth import boundary_cloud, clustered_cloud, with_batch
 
@@ -204,8 +204,39 @@ def test_foreign_rows_error_on_every_rank(comm):
         coords = with_batch(np.array([[40, 2, 2]]))  # outside the extent: still the last box's
         halo.build_plan(grid, cuts, coords, 1)
         return
-    with pytest.raises(halo.PlanError, match="rank 0: coords row 0|1 rank\\(s\\) passed bad"):
+    with pytest.raises(halo.PlanError, match="rank 0: coords row 0|another rank passed bad"):
         halo.build_plan(grid, cuts, coords, 1)
+
+
+def test_ranks_passing_different_cuts_radius_or_stride_raise_everywhere(comm):
+    """Each rank would plan with its own arguments: exchanges that do not match, or (a thin box
+    in one rank's cuts only) one rank raising alone while the others wait."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    grid = halo.ProcessGrid(comm, (comm.size, 1, 1))
+    cuts = halo.uniform_cuts(EXTENT, grid.dims, align=4)
+    none = torch.zeros(0, 4, dtype=torch.int32)
+    # Rank 0's cuts: boxes 1 voxel thick from 3 ranks on (thinner than the radius), else moved.
+    x = [0, *range(1, comm.size), 40] if comm.size > 2 else [0, 12, 40]
+    other = halo.Cuts((np.array(x), np.array([0, 36]), np.array([0, 32])))
+    for args in [dict(cuts=other if grid.rank == 0 else cuts, radius=2),
+                 dict(cuts=cuts, radius=2 if grid.rank == 0 else 1),
+                 dict(cuts=cuts, radius=1, stride=2 if grid.rank == 0 else 1)]:
+        with pytest.raises(halo.PlanError, match="ranks passed different arguments; here cuts"):
+            halo.build_plan(grid, coords=none, **args)
+    plan = halo.build_plan(grid, cuts, none, 1)  # still in step afterwards
+    assert plan.num_halo == 0
+
+
+def test_rows_the_voxel_keys_cannot_hold_raise_everywhere(comm):
+    grid = halo.ProcessGrid(comm, (comm.size, 1, 1))
+    cuts = halo.uniform_cuts(EXTENT, grid.dims)
+    mine = owned(grid, cuts, with_batch(np.array([[1, 1, 1], [39, 2, 2]])))
+    for row in ([MAX_BATCH, 1, 1, 1], [0, 1, 1, -MAX_EXTENT - 1]):
+        coords = torch.tensor([row], dtype=torch.int32) if grid.rank == 0 else mine
+        with pytest.raises(halo.PlanError, match="rank 0: coords row 0 is .*: batch indices "
+                           "must lie in \\[0, 256\\)|another rank passed bad"):
+            halo.build_plan(grid, cuts, coords, 1)
 
 
 def test_plan_cache(comm, rng):

@@ -300,6 +300,24 @@ def test_misaligned_cuts_are_exact(comm, model, offset):
                  explicit=odd_cuts(grid, x.spatial_shape, offset))
 
 
+@pytest.mark.parametrize("cuts", ["balanced", 0, 1, 2])
+def test_a_batch_at_stride_2_is_split_at_its_stride(comm, cuts):
+    """A batch whose voxels are at stride 2, cut at level-0 positions (balanced, or explicit:
+    on, one and two voxels past a multiple of 4), equals the serial run: each rank keeps the
+    voxels its box holds at that stride. (Rows picked at stride 1 split k2s2 windows between
+    ranks, and with cuts aligned at stride 2 no halo repaired it: partial sums twice.)"""
+    x = make_cloud(5, "random", shape=(16, 16, 16), batch=2)
+    coords = torch.unique(torch.cat([x.coords[:, :1], x.coords[:, 1:] // 2], 1), dim=0)
+    feats = torch.randn(len(coords), 3, generator=torch.Generator().manual_seed(5),
+                        dtype=torch.float64)
+    x = SparseTensor(coords, feats, (8, 8, 8), 2, stride=2)
+    for grid in grids_for(comm):
+        explicit = None if cuts == "balanced" else odd_cuts(grid, (16, 16, 16), cuts)
+        run_pair(comm, grid, "balanced", _small_net("down_up_k2"), x, align=1, explicit=explicit)
+        run_pair(comm, grid, "balanced", lambda: torch.nn.Sequential(
+            SparseConv3d(3, 4, 2, 2), GlobalPool("avg")), x, align=1, explicit=explicit)
+
+
 @pytest.mark.parametrize("cuts", ["uniform", "balanced"])
 def test_unaligned_default_is_exact(comm, cuts):
     """The library default align=1 (cuts anywhere) gives the serial U-Net's output and gradients."""
