@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -176,18 +177,34 @@ def test_input_modes():
 
 
 def test_prefetch_by_device_and_input():
-    from sparsepipe_hpc.train.config import use_prefetch
+    from sparsepipe_hpc.train.config import distributed_input, use_prefetch
 
     assert use_prefetch(parse_config([]), "cuda") and not use_prefetch(parse_config([]), "cpu")
     assert use_prefetch(parse_config(["--prefetch"]), "cpu")
     assert not use_prefetch(parse_config(["--no-prefetch"]), "cuda")
     assert not use_prefetch(parse_config(["--grid", "2,1,1"]), "cuda")  # distributed input
     assert use_prefetch(parse_config(["--grid", "2,1,1", "--input", "whole"]), "cuda")
-    for args in (["--grid", "2,1,1"], ["--input", "distributed"]):
-        with pytest.raises(ConfigError, match=r"^--prefetch reads the next samples on a host "
-                                              r"thread, but .*--input distributed.*; pass "
-                                              r"--input whole, or --no-prefetch$"):
-            parse_config([*args, "--prefetch"])
+    # Asked for, prefetch takes whole samples where --input auto would read them distributed.
+    cfg = parse_config(["--grid", "2,1,1", "--prefetch"])
+    assert use_prefetch(cfg, "cpu") and not distributed_input(cfg)
+    with pytest.raises(ConfigError, match=r"^--prefetch reads the next samples on a host "
+                                          r"thread, but --input distributed .*; pass "
+                                          r"--input whole, or --no-prefetch$"):
+        parse_config(["--input", "distributed", "--prefetch"])
+    # The same checks where --plan auto picked the layout (resolve_layout runs them again)
+    planned = dataclasses.replace(parse_config(["--input", "distributed"]), stages=2)
+    with pytest.raises(ConfigError, match=r"^--input distributed reads scenes .* --stages 2"):
+        resolve_layout(planned, 2)
+
+
+def test_balance_is_checked_and_spelled_one_way():
+    """--balance: integers (checked at once, also where no pipeline would read it), one count
+    per stage (checked against the layout, --plan auto's too), one spelling in the checkpoint."""
+    assert parse_config(["--stages", "2", "--balance", "3, 3"]).balance == "3,3"
+    with pytest.raises(ConfigError, match="--balance must be positive integers like 5,4"):
+        parse_config(["--balance", "banana"])
+    with pytest.raises(ConfigError, match="--balance 3,3 names 2 stage\\(s\\) but --stages is 1"):
+        resolve_layout(parse_config(["--balance", "3,3"]), 1)
 
 
 def test_trace_and_deferred_bn_options(tmp_path):

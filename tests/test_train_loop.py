@@ -283,6 +283,37 @@ def test_resume_with_more_steps_continues_the_cosine(data, tmp_path):
     assert state(tmp_path)["scheduler"]["lr_lambdas"][0]["total"] == 8
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd")
+def test_a_failed_config_write_leaves_no_metrics_log_open(data, tmp_path):
+    (tmp_path / "config.json").mkdir()  # config.json cannot be written
+    with pytest.raises(SetupError, match="cannot write the run configuration") as info:
+        Trainer(tiny(data, tmp_path, "--steps", "1"), MPI.COMM_SELF, log=None)
+    # While the error (and its frames) is still held: nothing holds metrics.jsonl open.
+    assert info.value is not None
+    opened = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    assert not [p for p in opened if p.endswith("metrics.jsonl")]
+
+
+def test_resume_takes_the_current_weight_decay(data, tmp_path):
+    """The optimizer's state from the checkpoint brings its settings with it; the current
+    --weight-decay replaces the saved one (as the learning rate does), with a note."""
+    train(tiny(data, tmp_path, "--steps", "2", "--weight-decay", "0.0001"))
+    said: list[str] = []
+    t = Trainer(tiny(data, tmp_path, "--steps", "3", "--weight-decay", "0.5", "--resume", "auto"),
+                MPI.COMM_SELF, log=said.append)
+    try:
+        assert [g["weight_decay"] for g in t.optimizer.param_groups] == [0.5]
+        assert "weight decay from the current options: 0.5; the checkpoint's run used 0.0001" \
+            in " ".join(said)
+    finally:
+        t.close()
+
+
 # --- temporary files, manifest (issue 9, item 7 and "checkpoint manifest") -----------------------
 def test_start_removes_temp_files_left_by_a_killed_save(data, tmp_path):
     """A process SIGKILLed inside torch.save leaves .last.pt.tmp-<pid>; the next start removes

@@ -21,6 +21,8 @@ def test_confusion_matrix_iou():
     # class 3: absent from both -> None
     assert cm.iou() == [2 / 3, 1 / 3, 1 / 2, None]
     assert math.isclose(cm.mean_iou(), (2 / 3 + 1 / 3 + 1 / 2) / 3)
+    # per class right: 2/3, 1/2, 1; class 3 has no samples and is left out, not counted as 0
+    assert math.isclose(cm.mean_class_accuracy(), (2 / 3 + 1 / 2 + 1) / 3)
     cm.update(pred, target)  # counts accumulate
     assert cm.total == 12 and cm.overall_accuracy() == 4 / 6
 
@@ -28,6 +30,7 @@ def test_confusion_matrix_iou():
 def test_empty_confusion_matrix_is_nan():
     cm = ConfusionMatrix(3)
     assert math.isnan(cm.overall_accuracy()) and math.isnan(cm.mean_iou())
+    assert math.isnan(cm.mean_class_accuracy())
 
 
 def test_metrics_log_and_truncate(tmp_path):

@@ -71,9 +71,10 @@ class CarryPlan:
     skips: tuple[tuple[int, int], ...]  # (producer, consumer) edges beyond the chain s -> s+1
 
 
-def parse_balance(balance: str | Sequence[int], num_blocks: int,
+def parse_balance(balance: str | Sequence[int], num_blocks: Optional[int],
                   stages: Optional[int] = None) -> tuple[int, ...]:
-    """``"5,4"`` or ``[5, 4]`` -> (5, 4), checked against the model's blocks and ``stages``."""
+    """``"5,4"`` or ``[5, 4]`` -> (5, 4), checked against the model's blocks and ``stages``
+    (each where given)."""
     text = balance if isinstance(balance, str) else ",".join(map(str, balance))
     try:
         parts = tuple(int(p) for p in text.split(","))
@@ -85,7 +86,7 @@ def parse_balance(balance: str | Sequence[int], num_blocks: int,
     if stages is not None and len(parts) != stages:
         raise PipelineError(f"--balance {text} names {len(parts)} stage(s) but --stages is "
                             f"{stages}; give one block count per stage")
-    if sum(parts) != num_blocks:
+    if num_blocks is not None and sum(parts) != num_blocks:
         raise PipelineError(f"--balance {text} sums to {sum(parts)} but the model has "
                             f"{num_blocks} blocks; pass block counts that sum to {num_blocks}")
     return parts

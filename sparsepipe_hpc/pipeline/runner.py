@@ -37,7 +37,7 @@ from sparsepipe_hpc.nn.layers import commit_batchnorm, set_deferred_batchnorm
 from sparsepipe_hpc.parallel.failures import disagreement, run_on_all
 from sparsepipe_hpc.pipeline.carry import CarryPlan, PipelineError, parse_balance, plan_carry
 from sparsepipe_hpc.pipeline.executor import StageExecutor
-from sparsepipe_hpc.pipeline.p2p import StageLink
+from sparsepipe_hpc.pipeline.p2p import GRAD, StageLink, TransferError, tag
 from sparsepipe_hpc.pipeline.schedule import Schedule, make_schedule
 from sparsepipe_hpc.sparse import SparseTensor
 
@@ -93,6 +93,10 @@ class Pipeline:
         if differ:
             raise PipelineError("the ranks must build the Pipeline with the same balance, "
                                 f"schedule, micro-batches and model; got {differ}")
+        try:  # here, where every rank raises alike, not at that micro-batch on some ranks
+            tag(micro_batches - 1, GRAD)
+        except TransferError as e:
+            raise PipelineError(str(e)) from None
         self.plan: CarryPlan = plan_carry([b.carry_arity for b in model.blocks], parts)
         self.schedule: Schedule = make_schedule(schedule, stages, micro_batches,
                                                 skips=self.plan.skips)

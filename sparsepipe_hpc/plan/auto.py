@@ -53,6 +53,8 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3)
             value = tuple(int(v) for v in str(value).split(","))
         fixed[key] = value
     fixed.pop("pipeline_schedule", None)
+    if cfg.input == "distributed":  # an unpipelined spatial group (check_input_options)
+        fixed.update(stages=1, micro_batches=1)
     machine = Machine.uniform(world_size, world_size)
     result = search(prof, machine, cfg.batch_size, schedule=cfg.pipeline_schedule,
                     optimizer=cfg.optimizer, fixed=fixed, extent=shape)

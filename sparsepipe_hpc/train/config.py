@@ -37,7 +37,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package (a cond
     import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = ["ConfigError", "TrainConfig", "TASK_DEFAULTS", "build_parser", "parse_config",
-           "resolve_layout", "local_batch_size", "distributed_input", "use_prefetch"]
+           "resolve_layout", "local_batch_size", "distributed_input", "use_prefetch",
+           "check_input_options"]
 
 TASKS = ("seg", "cls")
 INPUTS = ("auto", "whole", "distributed")
@@ -204,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "voxelizes the whole batch, then keeps its box) or distributed (each rank reads "
                    "only its share of every sample's points and the voxels move to their owners: "
                    "memory and input time per rank fall with the grid, same result); default "
-                   "auto: distributed for seg on a spatial grid without pipeline stages or "
-                   "micro-batches")
+                   "auto: distributed for seg on a spatial grid without pipeline stages, "
+                   "micro-batches or --prefetch")
     g.add_argument("--prefetch", action=argparse.BooleanOptionalAction,
                    help="read and voxelize the next step's samples on a host thread while this "
                    "step computes (default: on with --device cuda, off on a CPU, whose cores the "
@@ -373,16 +374,10 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
                           f"pass --model {' or '.join(want)}")
     if "lr" not in given:
         values["lr"] = values["lr"] * OPTIMIZER_LR_SCALE[values.get("optimizer", "adamw")]
+    if values.get("balance") is not None:  # one spelling, for the checkpoint's comparison
+        values["balance"] = ",".join(map(str, _balance(values["balance"], None)))
     cfg = TrainConfig(**values)
-    if cfg.input == "distributed" and (cfg.task != "seg" or cfg.stages > 1
-                                       or cfg.micro_batches > 1):
-        raise ConfigError("--input distributed reads scenes (--task seg) for an unpipelined "
-                          "spatial group (no --stages or --micro-batches); use --input whole")
-    if cfg.prefetch and distributed_input(cfg):
-        raise ConfigError("--prefetch reads the next samples on a host thread, but this run "
-                          "reads them with --input distributed (each rank its share, through MPI "
-                          "collectives that cannot run beside the step's; the default for seg on "
-                          "a --grid); pass --input whole, or --no-prefetch")
+    check_input_options(cfg)
     try:
         choose_transport(cfg.transport, "cpu" if cfg.device == "cpu" else None)
     except TransportError as e:
@@ -431,11 +426,28 @@ def _apply_plan(given: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_input_options(cfg: TrainConfig) -> None:
+    """ConfigError for ``--input distributed`` with a layout or option it cannot serve; run on
+    the options given, and again on the layout ``--plan auto`` picks (:func:`resolve_layout`)."""
+    if cfg.input == "distributed" and (cfg.task != "seg" or cfg.stages > 1
+                                       or cfg.micro_batches > 1):
+        raise ConfigError(f"--input distributed reads scenes (--task seg) for an unpipelined "
+                          f"spatial group (no --stages or --micro-batches; here --task "
+                          f"{cfg.task}, --stages {cfg.stages}, --micro-batches "
+                          f"{cfg.micro_batches}); use --input whole")
+    if cfg.prefetch and cfg.input == "distributed":
+        raise ConfigError("--prefetch reads the next samples on a host thread, but --input "
+                          "distributed reads them collectively (each rank its share, through "
+                          "MPI collectives that cannot run beside the step's); pass --input "
+                          "whole, or --no-prefetch")
+
+
 def distributed_input(cfg: TrainConfig) -> bool:
-    """Whether each spatial rank reads only its share of the samples (``--input``)."""
+    """Whether each spatial rank reads only its share of the samples (``--input``; auto: for
+    seg on a spatial grid, without pipeline stages, micro-batches or ``--prefetch``)."""
     if cfg.input == "auto":
         return (cfg.task == "seg" and math.prod(cfg.grid) > 1 and cfg.stages == 1
-                and cfg.micro_batches == 1)
+                and cfg.micro_batches == 1 and not cfg.prefetch)
     return cfg.input == "distributed"
 
 
@@ -447,8 +459,21 @@ def use_prefetch(cfg: TrainConfig, device_type: str) -> bool:
     return device_type == "cuda" and not distributed_input(cfg)
 
 
+def _balance(balance: str, stages: Optional[int]) -> tuple[int, ...]:
+    from sparsepipe_hpc.pipeline.carry import PipelineError, parse_balance
+
+    try:
+        return parse_balance(balance, None, stages)
+    except PipelineError as e:
+        raise ConfigError(str(e)) from None
+
+
 def resolve_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
-    """The rank layout for ``world_size`` ranks, checking that the global batch splits evenly."""
+    """The rank layout for ``world_size`` ranks, checking that the global batch splits evenly
+    (and, where ``--plan auto`` picked the layout, the options against it)."""
+    check_input_options(cfg)
+    if cfg.balance is not None:  # one block count per stage, also where no pipeline reads it
+        _balance(cfg.balance, cfg.stages)
     grid = cfg.grid or (1, 1, 1)
     if cfg.plan_ranks is not None and cfg.plan_ranks != world_size:
         raise ConfigError(f"--plan {cfg.plan} lays out {cfg.plan_ranks} ranks but the job has "

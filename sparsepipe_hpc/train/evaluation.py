@@ -58,8 +58,7 @@ def evaluate(model: torch.nn.Module, ctx: ParallelContext, comm: Any, logits_of:
     if seg:
         rec.update(oa=cm.overall_accuracy(), miou=cm.mean_iou(), iou=iou, voxels=cm.total)
     else:
-        per_class = cm.matrix.diagonal().double() / cm.matrix.sum(1).clamp(min=1).double()
-        rec.update(acc=cm.overall_accuracy(), macc=float(per_class.mean()), iou=iou)
+        rec.update(acc=cm.overall_accuracy(), macc=cm.mean_class_accuracy(), iou=iou)
     return rec
 
 

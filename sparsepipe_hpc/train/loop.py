@@ -227,12 +227,18 @@ class Trainer:
         metrics = run_files.open_out(self.out, run_files.checkpoint_bytes(
             self.model, self.cfg.optimizer, self.comm.Get_size()), self._say,
             resumed_from=self.resumed_from, step=self.step)
-        run_files.write_config(self.out, run_files.config_record(
-            self.cfg, self.layout, out=self.out, data_dir=self.data_dir, origin=self.origin,
-            shape=self.shape, stride=self.stride, splits=(self.train_set, self.val_set),
-            total_steps=self.total_steps, steps_per_epoch=self.batches.steps_per_epoch,
-            local_batch=local_batch_size(self.cfg, self.layout), resumed_from=self.resumed_from,
-            parameters=sum(p.numel() for p in self.model.parameters()), comm=self.comm))
+        try:
+            run_files.write_config(self.out, run_files.config_record(
+                self.cfg, self.layout, out=self.out, data_dir=self.data_dir, origin=self.origin,
+                shape=self.shape, stride=self.stride, splits=(self.train_set, self.val_set),
+                total_steps=self.total_steps, steps_per_epoch=self.batches.steps_per_epoch,
+                local_batch=local_batch_size(self.cfg, self.layout),
+                resumed_from=self.resumed_from,
+                parameters=sum(p.numel() for p in self.model.parameters()), comm=self.comm))
+        except BaseException:
+            with contextlib.suppress(Exception):  # the caller never gets the log to close
+                metrics.close()
+            raise
         return metrics
 
     def _load(self, path: Path) -> None:

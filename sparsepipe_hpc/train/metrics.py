@@ -71,6 +71,16 @@ class ConfusionMatrix:
         vals = [v for v in self.iou() if v is not None]
         return sum(vals) / len(vals) if vals else math.nan
 
+    def mean_class_accuracy(self) -> float:
+        """The mean over classes of the fraction of their samples predicted right; a class with
+        no samples is left out (as :meth:`iou` leaves it out), NaN if none has any."""
+        m = self.matrix.double()
+        total = m.sum(1)
+        present = total > 0
+        if not bool(present.any()):
+            return math.nan
+        return float((m.diagonal()[present] / total[present]).mean())
+
 
 def _clean(value: Any) -> Any:
     """JSON has no NaN: write null instead (strict parsers reject the bare token)."""

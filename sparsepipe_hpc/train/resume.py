@@ -166,6 +166,9 @@ def load_state(path: Path, state: TrainState, *, cfg: TrainConfig, out: Path, co
             state.optimizer.load_state_dict(per_stage[stage])
         else:
             state.optimizer.load_state_dict(ckpt["optimizer"])
+        note = _take_weight_decay(state.optimizer, cfg.weight_decay)
+        if note is not None:
+            say(note)
         state.batches.load_state_dict(ckpt["loader"])
         step = int(ckpt["step"])
         note = restore_schedule(state.scheduler, ckpt["scheduler"], lr=cfg.lr, step=step)
@@ -190,3 +193,14 @@ def load_state(path: Path, state: TrainState, *, cfg: TrainConfig, out: Path, co
             "float rounding, not bitwise")
     return Resumed(step, epoch, on_disk)
 
+
+def _take_weight_decay(optimizer: torch.optim.Optimizer, weight_decay: float) -> Optional[str]:
+    """The current ``--weight-decay`` over the checkpoint's, which ``load_state_dict`` restored
+    with the rest of the optimizer's settings; a note where the two differ, else None."""
+    old = sorted({float(g["weight_decay"]) for g in optimizer.param_groups})
+    for group in optimizer.param_groups:
+        group["weight_decay"] = weight_decay
+    if old == [weight_decay]:
+        return None
+    return (f"weight decay from the current options: {weight_decay:g}; the checkpoint's run "
+            f"used {', '.join(f'{w:g}' for w in old)}")

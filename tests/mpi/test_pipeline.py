@@ -429,6 +429,16 @@ def test_balance_not_matching_stages_fails_on_every_rank(comm):
     assert len(set(comm.allgather(msg))) == 1
 
 
+def test_more_micro_batches_than_message_tags_fail_at_construction_on_every_rank(comm):
+    """Stage 0 would raise only when it sent micro-batch 10901, the others at once."""
+    model = build("unet")
+    ctx = ParallelContext(comm, RankLayout.from_world(comm.size))
+    with pytest.raises(PipelineError, match="micro-batch 10901 needs tag 32769, above MPI's "
+                                            "guaranteed upper bound 32767; use at most 10901"):
+        Pipeline(model, ctx, schedule="gpipe", micro_batches=10902)
+    ctx.close()
+
+
 def test_a_rank_with_another_balance_stops_every_rank(comm):
     """A balance that fails on one rank only hung the others in the communicator's Dup; one
     that differs made ranks own other blocks (a block no stage ran): every rank raises."""
