@@ -98,7 +98,11 @@ class Placement:
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
-    raw = env[name]
+    raw = env.get(name)
+    if raw is None:  # its launcher's other variables are set: an incomplete environment
+        raise LaunchError(f"launcher variable {name} is not set, though other variables of its "
+                          f"launcher are; start the ranks with that launcher (mpirun, srun, "
+                          f"mpiexec), or set {name} too")
     try:
         value = int(raw.strip())
     except ValueError:

@@ -61,7 +61,11 @@ def voxelize(points: np.ndarray | torch.Tensor, feats: np.ndarray | torch.Tensor
     if feats is None:
         f = torch.ones(len(pts), 1, dtype=torch.float32)
     else:
-        f = torch.as_tensor(np.asarray(feats), dtype=torch.float32).reshape(len(pts), -1)
+        f = torch.as_tensor(np.asarray(feats), dtype=torch.float32)
+        f = f[:, None] if f.dim() == 1 else f
+        if f.dim() != 2 or len(f) != len(pts):  # a reshape would scramble, say, [C, P]
+            raise VoxelizeError(f"features of {name} have shape {list(f.shape)}; expected "
+                                f"[{len(pts)}, C], a row per point")
         if not torch.isfinite(f).all():
             raise VoxelizeError(f"features of {name} contain NaN or inf")
     shape = torch.tensor(list(spatial_shape), dtype=torch.int64)

@@ -148,9 +148,40 @@ def test_a_lying_box_or_a_bad_checksum_is_found_on_read(chunked):
     with pytest.raises(DataFormatError, match=rf"chunk {k} \(rows {a}..{a + n - 1}\) fails its "
                                               r"checksum: CRC-32 0x[0-9a-f]{8}, the table says"):
         ds.read_range(0, a, a + n)
-    ds.read_range(0, a, a + 1)  # a part of the chunk: its checksum cannot be checked
+    # A range through a part of the chunk reads the rest of it for its checksum: one rank's
+    # share of a sample, cut anywhere, finds the corruption the whole sample would.
+    for part in ((a, a + 1), (a + n - 1, a + n + 5), (max(a - 7, 0), a + 2)):
+        with pytest.raises(DataFormatError, match=rf"chunk {k} \(rows {a}..{a + n - 1}\) fails"):
+            ds.read_range(0, *part)
+    ds.read_range(0, 0, a)  # the chunks before it read fine
     with pytest.raises(DataFormatError, match="fails its checksum"):
         ds[0]
+
+
+def test_a_write_that_fails_leaves_no_file_and_bad_shapes_name_the_scene(tmp_path, rng):
+    xyz, rgb, lab = cloud(rng, 100)
+
+    def source():
+        yield "r0", xyz, rgb, lab
+        raise RuntimeError("the source failed at the second scene")
+    with pytest.raises(RuntimeError, match="second scene"):
+        write_scenes(tmp_path / "s.h5", source(), CLASSES)
+    assert not list(tmp_path.iterdir())  # no shorter data set, no temporary file
+    for bad, message in [
+            ((xyz, rgb, lab[:7]), r"scene 'r': label has shape \(7,\); expected \[100\]"),
+            ((xyz, rgb[:, :2], lab), r"rgb has shape \(100, 2\); expected \[100, 3\]"),
+            ((xyz[:, :2], None, lab), r"xyz has shape \(100, 2\); expected \[P, 3\]")]:
+        for chunk_size in (None, 0.5):
+            with pytest.raises(ValueError, match=message):
+                write_scenes(tmp_path / "s.h5", [("r", *bad)], CLASSES, chunk_size=chunk_size)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("attr", ["half", np.zeros(0), np.nan])
+def test_an_odd_chunk_size_attribute_reads_as_unknown(chunked, attr):
+    path, _ = chunked
+    edit(path, lambda g: g["chunks"].attrs.__setitem__("chunk_size", attr))
+    assert SceneDataset(path).chunk_table(0).chunk_size == 0.0
 
 
 def test_floor_generator_writes_one_chunked_scene(tmp_path):

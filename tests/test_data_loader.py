@@ -115,6 +115,17 @@ def test_collate_rejects_bad_batches(data):
     assert b.point_to_voxel[0].tolist()[1] == -1
 
 
+def test_voxelize_takes_a_feature_row_per_point():
+    from sparsepipe_hpc.voxelize import voxelize
+
+    pts = np.array([[0.1, 0.1, 0.1], [0.1, 0.15, 0.1], [0.9, 0.9, 0.9]])
+    one = voxelize(pts, np.array([1.0, 3.0, 5.0]), 0.5, (0, 0, 0), (2, 2, 2))  # [P]: one channel
+    assert one.feats.tolist() == [[2.0], [5.0]]
+    with pytest.raises(VoxelizeError, match=r"features of points have shape \[2, 3\]; "
+                                            r"expected \[3, C\], a row per point"):
+        voxelize(pts, np.ones((2, 3)), 0.5, (0, 0, 0), (2, 2, 2))  # [C, P]: not reshaped
+
+
 def symmetries(coords, n):
     """The x-y images of a voxel set under flips about the grid centre and the x-y swap."""
     out = []

@@ -102,6 +102,8 @@ def test_errors_name_values():
         ShardedBatches(50, 3, replicas=4, rank=0)
     with pytest.raises(ValueError, match="rank 2 of 2"):
         ShardedBatches(50, 4, replicas=2, rank=2)
+    with pytest.raises(ValueError, match="seed and epoch must be >= 0; got seed -1"):
+        ShardedBatches(50, 4, seed=-1)
     s = ShardedBatches(50, 8)
     with pytest.raises(KeyError, match="step_in_epoch"):
         s.load_state_dict({"epoch": 1})

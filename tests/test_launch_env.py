@@ -203,6 +203,12 @@ def test_environment_matching_the_communicator_is_kept(monkeypatch):
     ({"PALS_RANKID": 0, "PMI_SIZE": 1, "PMI_LOCAL_SIZE": 1}, ["PALS_LOCAL_RANKID"]),
     ({"OMPI_COMM_WORLD_RANK": 0, "OMPI_COMM_WORLD_SIZE": 2, "OMPI_COMM_WORLD_LOCAL_RANK": 0,
       "OMPI_COMM_WORLD_LOCAL_SIZE": 3}, ["local size 3", "world size 2"]),
+    # A launcher's variable missing beside the others: named, not a KeyError
+    ({"OMPI_COMM_WORLD_RANK": 0, "OMPI_COMM_WORLD_SIZE": 2},
+     ["OMPI_COMM_WORLD_LOCAL_RANK is not set", "other variables of its launcher"]),
+    ({"SLURM_STEP_ID": 0, "SLURM_PROCID": 0, "SLURM_NTASKS": 2,
+      "SLURM_STEP_TASKS_PER_NODE": "2"}, ["SLURM_LOCALID is not set"]),
+    ({"PMI_RANK": 0, "MPI_LOCALRANKID": 0, "MPI_LOCALNRANKS": 1}, ["PMI_SIZE is not set"]),
 ])
 def test_malformed_variables_raise(monkeypatch, values, words):
     setenv(monkeypatch, **values)

@@ -39,10 +39,11 @@ the values.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import h5py
 import numpy as np
@@ -50,8 +51,8 @@ import numpy as np
 from sparsepipe_hpc.data.checks import DataFormatError, check_kind, check_shape, read, \
     require_dataset
 
-__all__ = ["ChunkTable", "chunk_order", "check_chunk_rows", "chunk_checksums", "read_chunk_table",
-           "write_chunk_table"]
+__all__ = ["ChunkTable", "chunk_order", "check_chunk_rows", "partial_chunks", "chunk_checksums",
+           "read_chunk_table", "write_chunk_table"]
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,17 @@ def read_chunk_table(path: str | Path, scene: h5py.Group, points: int,
         check_shape(path, c, (k_chunks,), f"[K] with K = {k_chunks}")
         check_kind(path, c, "iu", "an unsigned integer type (CRC-32)")
         checksum = read(path, c).astype(np.uint32)
-    size = float(np.asarray(g.attrs.get("chunk_size", 0.0)).reshape(-1)[0])
-    return ChunkTable(offset, count, lo, hi, checksum, size)
+    return ChunkTable(offset, count, lo, hi, checksum, _chunk_size(g.attrs.get("chunk_size")))
+
+
+def _chunk_size(attr: Any) -> float:
+    """The ``chunk_size`` attribute in metres; 0.0 (unknown) where it is missing or no single
+    number: it only informs, so another writer's odd value does not stop a read."""
+    try:
+        size = float(np.asarray(attr, dtype=np.float64).reshape(-1)[0])
+    except (TypeError, ValueError, IndexError):
+        return 0.0
+    return size if math.isfinite(size) and size > 0 else 0.0
 
 
 def check_chunk_rows(path: str | Path, scene: str, table: ChunkTable, start: int,
@@ -230,3 +240,14 @@ def check_chunk_rows(path: str | Path, scene: str, table: ChunkTable, start: int
                 f"{path}: scene '{scene}' chunk {int(k)} (rows {int(table.offset[k])}.."
                 f"{int(end[k]) - 1}) fails its checksum: CRC-32 {got:#010x}, the table says "
                 f"{int(table.checksum[k]):#010x}; the points are corrupt (re-copy the file)")
+
+
+def partial_chunks(table: ChunkTable, start: int, stop: int) -> list[int]:
+    """The chunks of which rows ``[start, stop)`` hold a part but not the whole: at most the
+    first and the last (their checksums cover rows outside the range)."""
+    if stop <= start:
+        return []
+    end = table.offset + table.count
+    first = int(np.searchsorted(end, start, side="right"))
+    last = int(np.searchsorted(table.offset, stop, side="left")) - 1
+    return sorted({k for k in (first, last) if table.offset[k] < start or end[k] > stop})

@@ -53,7 +53,7 @@ from sparsepipe_hpc.data.checks import (
     DataFormatError, check_finite, check_kind, check_range, check_shape, open_h5, read,
     read_str_list, require_dataset)
 from sparsepipe_hpc.data.chunks import ChunkTable, check_chunk_rows, chunk_order, \
-    read_chunk_table, write_chunk_table
+    partial_chunks, read_chunk_table, write_chunk_table
 from sparsepipe_hpc.data.sample import Sample
 
 __all__ = ["FORMAT", "VERSION", "SceneDataset", "write_scenes"]
@@ -72,8 +72,25 @@ def write_scenes(path: str | Path,
     generator's parameters). ``chunk_size`` (metres): store every scene's points sorted by
     spatial chunk with a chunk table (:mod:`sparsepipe_hpc.data.chunks`; ``checksums``: with a
     CRC-32 per chunk); the stored point order is then the chunk order. Returns ``path``.
+
+    The file is written beside ``path`` and renamed into place when complete: a scene that fails
+    its shape check (ValueError, naming it) or a source that raises leaves no file that would
+    open as a shorter data set.
     """
     path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        _write_scenes(tmp, scenes, class_names, attrs, chunk_size, checksums)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _write_scenes(path: Path,
+                  scenes: Iterable[tuple[str, np.ndarray, Optional[np.ndarray], np.ndarray]],
+                  class_names: Sequence[str], attrs: Optional[dict],
+                  chunk_size: Optional[float], checksums: bool) -> None:
     lo = np.full(3, np.inf)
     hi = np.full(3, -np.inf)
     with h5py.File(path, "w") as f:
@@ -89,6 +106,7 @@ def write_scenes(path: str | Path,
             xyz = xyz.astype(np.float64 if xyz.dtype == np.float64 else np.float32, copy=False)
             rgb = None if rgb is None else np.asarray(rgb)
             label = np.asarray(label)
+            _check_scene(name, xyz, rgb, label)
             table: Optional[ChunkTable] = None
             if chunk_size is not None and len(xyz):
                 order, table = chunk_order(xyz, chunk_size)
@@ -108,7 +126,17 @@ def write_scenes(path: str | Path,
         if np.isfinite(lo).all():
             f.attrs["bounds_min"] = lo
             f.attrs["bounds_max"] = hi
-    return path
+
+
+def _check_scene(name: str, xyz: np.ndarray, rgb: Optional[np.ndarray], label: np.ndarray) -> None:
+    """ValueError naming scene ``name`` unless xyz is [P, 3], rgb [P, 3] or None, label [P]."""
+    if xyz.ndim != 2 or xyz.shape[1] != 3:
+        raise ValueError(f"scene {name!r}: xyz has shape {xyz.shape}; expected [P, 3]")
+    p = len(xyz)
+    if rgb is not None and rgb.shape != (p, 3):
+        raise ValueError(f"scene {name!r}: rgb has shape {rgb.shape}; expected [{p}, 3] or None")
+    if label.shape != (p,):
+        raise ValueError(f"scene {name!r}: label has shape {label.shape}; expected [{p}]")
 
 
 def _fmt(v: np.ndarray) -> str:
@@ -248,6 +276,14 @@ class SceneDataset:
         table = self._chunks.get(name)
         if table is not None:  # every point inside its chunk's box; checksums of whole chunks
             check_chunk_rows(p, name, table, first, xyz, rgb, label)
+            if rows is not None and table.checksum is not None:
+                # A chunk these rows hold a part of is read whole for its checksum: a range
+                # through a corrupt chunk must not pass where the whole sample would not.
+                for k in partial_chunks(table, first, first + len(xyz)):
+                    whole = slice(int(table.offset[k]), int(table.offset[k] + table.count[k]))
+                    check_chunk_rows(p, name, table, whole.start, read(p, g["xyz"], whole),
+                                     read(p, g["rgb"], whole) if self.has_rgb else None,
+                                     read(p, g["label"], whole))
         if rgb is not None:
             if rgb.dtype == np.uint8:
                 feats = rgb.astype(np.float32) / np.float32(255.0)

@@ -51,6 +51,8 @@ class ShardedBatches:
         if batch_size < replicas:
             raise ValueError(f"global batch_size {batch_size} is smaller than replicas {replicas}: "
                              "some replica would get no sample; use batch_size >= replicas")
+        if seed < 0 or epoch < 0:  # the generators' seeds (numpy takes no negative entropy)
+            raise ValueError(f"seed and epoch must be >= 0; got seed {seed}, epoch {epoch}")
         if drop_last and num_samples < batch_size:
             raise ValueError(f"data set of {num_samples} samples is smaller than the global batch "
                              f"{batch_size}; with drop_last no step would run")

@@ -52,8 +52,8 @@ from halo.ownership import owner_ranks
 from sparsepipe_hpc.data.checks import DataFormatError
 from sparsepipe_hpc.data.loader import JITTER, RangeAugmenter
 from sparsepipe_hpc.parallel.chunked import chunk_cuts, chunk_voxels, chunks_in_box, pieces
-from sparsepipe_hpc.parallel.voxelize import PointKeys, agree, check_cuts, quantize, \
-    voxelize_keys
+from sparsepipe_hpc.parallel.voxelize import PointKeys, agree, check_cuts, check_same, \
+    quantize, voxelize_keys
 from sparsepipe_hpc.voxelize import VoxelizeError
 from sparsepipe_hpc.sparse import SparseTensor
 
@@ -175,6 +175,13 @@ def read_distributed(ctx: Any, dataset: Any, indices: Sequence[int], voxel_size:
     augs = [None if generators is None else RangeAugmenter(
         int(dataset.sizes[i]), origin, spatial_shape, voxel_size, generators[b], jitter)
         for b, i in enumerate(indices)]
+    # Each rank reads its share of every sample: pieces of different samples, or of the same
+    # one augmented differently, would merge into one sample without an error.
+    check_same(grid.comm, {"samples": tuple(int(i) for i in indices),
+                           "dataset": str(getattr(dataset, "path", type(dataset).__name__)),
+                           "augmentation (flips, swap, jitter key)": tuple(
+                               None if a is None else (tuple(a.coin.tolist()), a.key, a.jitter)
+                               for a in augs)})
 
     def quantized(b: int, i: int, a: int, z: int) -> PointKeys:
         """Points ``[a, z)`` of sample ``indices[b]``, read, augmented and quantized."""

@@ -180,7 +180,9 @@ def quantize(batch: torch.Tensor, points: torch.Tensor, feats: torch.Tensor,
     return PointKeys(keys, index, feats, labels, counts, spec)
 
 
-def _check_same(comm: Any, what: dict[str, Any]) -> None:
+def check_same(comm: Any, what: dict[str, Any]) -> None:
+    """VoxelizeError on every rank of ``comm`` unless all pass equal ``what`` (name -> value).
+    Collective (one allgather)."""
     seen = comm.allgather(what)
     for k in what:
         values = [s[k] for s in seen]
@@ -275,7 +277,7 @@ def voxelize_keys(grid: ProcessGrid, pk: PointKeys, num_classes: Optional[int] =
     that a rank does not hold its points and its owners' points at once."""
     batch_size = len(pk.counts)
     spatial_shape = pk.grid[2]
-    _check_same(grid.comm, {"feature channels": int(pk.feats.shape[1]),
+    check_same(grid.comm, {"feature channels": int(pk.feats.shape[1]),
                             "batch size": batch_size, "classes": num_classes,
                             "labels given": pk.labels is not None,
                             "grid (origin, voxel size, shape)": pk.grid,

@@ -241,6 +241,27 @@ def scenes(comm, rng, tmp_path_factory):
     return SceneDataset(scene_file(comm, tmp_path_factory, rooms))
 
 
+def test_ranks_reading_other_samples_or_draws_raise_everywhere(comm, scenes):
+    """Each rank reads its share of every sample: shares of different samples, or of one
+    sample augmented differently, merged into one sample without an error."""
+    from sparsepipe_hpc.data.loader import grid_for
+    from sparsepipe_hpc.data.sharding import ShardedBatches
+    from sparsepipe_hpc.parallel.input import read_distributed
+
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    ctx = layout_ctx(comm, (comm.size, 1, 1), "balanced")
+    origin, shape = grid_for(scenes, 0.1, multiple=4)
+    batches = ShardedBatches(len(scenes), batch_size=2, replicas=1, rank=0, seed=5)
+    with pytest.raises(VoxelizeError, match="disagree on samples: rank 0 \\(0,\\), rank 1 "
+                                            "\\(1,\\)"):
+        read_distributed(ctx, scenes, [min(comm.rank, 1)], 0.1, origin, shape)
+    gens = batches.sample_generators([0], 1 + (comm.rank == 0))  # rank 0 draws another epoch's
+    with pytest.raises(VoxelizeError, match="disagree on augmentation"):
+        read_distributed(ctx, scenes, [0], 0.1, origin, shape, generators=gens)
+    read_distributed(ctx, scenes, [0], 0.1, origin, shape)  # still in step afterwards
+
+
 @pytest.mark.parametrize("dims", ALL_GRIDS)
 @pytest.mark.parametrize("mode", ["balanced", "uniform"])
 def test_read_distributed_equals_distribute(comm, scenes, dims, mode, monkeypatch):
