@@ -95,16 +95,38 @@ def cache_key(spec: ConvSpec, stride: int, indice_key: Optional[str] = None) -> 
                           f"d{spec.dilation}@{stride}")
 
 
-def cached_entry(x: SparseTensor, key: str, build: Callable[[], ConvEntry]) -> ConvEntry:
-    """``x.kmaps[key]``, made by ``build()`` when absent; ConvError when the entry cached under
-    the key was built for another voxel set."""
+def cached_entry(x: SparseTensor, key: str, spec: ConvSpec,
+                 build: Callable[[], ConvEntry]) -> ConvEntry:
+    """``x.kmaps[key]`` for convolution ``spec``, made by ``build()`` when absent or stale.
+
+    An entry serves the voxel set it was built for: ``x.coords`` itself (the tensor object the
+    layers pass along, so the test reads nothing from a device). Under an automatic key
+    (:func:`cache_key` without an indice_key) another voxel set at the same stride -- after a
+    non-submanifold stride-1 convolution, or ``x.replace(coords=...)`` -- gets its own map, built
+    in place of the old. Under an indice_key, which names one convolution's map, another
+    geometry, or other voxels (compared by value where the tensors differ), is a ConvError."""
     e: Optional[ConvEntry] = x.kmaps.get(key)
+    if e is not None and e.in_coords is not x.coords and key == cache_key(spec, x.stride):
+        e = None  # an automatic key's entry for another voxel set
     if e is None:
         e = x.kmaps[key] = build()
-    elif e.in_coords.shape != x.coords.shape:
-        raise ConvError(f"kernel map {key!r} was built for {len(e.in_coords)} voxels but the "
-                        f"input has {len(x.coords)}; give this layer its own indice_key")
+    elif e.spec != spec:
+        raise ConvError(f"indice_key {key!r} names a convolution of kernel_size "
+                        f"{e.spec.kernel_size}, stride {e.spec.stride}, padding {e.spec.padding}, "
+                        f"dilation {e.spec.dilation}; this layer has {spec.kernel_size}, "
+                        f"{spec.stride}, {spec.padding}, {spec.dilation}: give it its own "
+                        f"indice_key")
+    elif not _same_voxels(e.in_coords, x.coords):
+        raise ConvError(f"indice_key {key!r} names a map built for another voxel set "
+                        f"({len(e.in_coords)} voxels; this input has {len(x.coords)}): give "
+                        f"this layer its own indice_key")
     return e
+
+
+def _same_voxels(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two coords tensors hold the same rows: the same object, or equal (a device read
+    where they are different tensors, which the layers' own chain never makes)."""
+    return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
 
 
 def serial_entry(x: SparseTensor, spec: ConvSpec, key: str) -> ConvEntry:
@@ -120,7 +142,7 @@ def serial_entry(x: SparseTensor, spec: ConvSpec, key: str) -> ConvEntry:
         return ConvEntry(spec, x.coords, out, x.spatial_shape, out_shape, x.stride, km,
                          batch_size=x.batch_size)
 
-    return cached_entry(x, key, build)
+    return cached_entry(x, key, spec, build)
 
 
 def inverse_entry(x: SparseTensor, indice_key: Optional[str], kernel_size: int) -> ConvEntry:
@@ -131,8 +153,10 @@ def inverse_entry(x: SparseTensor, indice_key: Optional[str], kernel_size: int) 
                         f"indice_key of an earlier SparseConv3d on this tensor; known keys: "
                         f"{sorted(k for k in x.kmaps if not k.startswith('subm'))}")
     e: ConvEntry = x.kmaps[indice_key]
-    if e.spec.kernel_size != kernel_size or len(e.out_coords) != len(x.coords):
+    if e.spec.kernel_size != kernel_size or e.spec.subm or x.stride != e.in_stride * \
+            e.spec.stride or not _same_voxels(e.out_coords, x.coords):
         raise ConvError(f"SparseInverseConv3d(kernel_size={kernel_size}) does not match "
                         f"the convolution {indice_key!r} (kernel_size={e.spec.kernel_size}, "
-                        f"{len(e.out_coords)} outputs vs {len(x.coords)} inputs here)")
+                        f"{len(e.out_coords)} outputs at stride {e.in_stride * e.spec.stride}; "
+                        f"this input: {len(x.coords)} voxels at stride {x.stride})")
     return e

@@ -102,6 +102,9 @@ def test_global_pool(gen, mode):
         torch.testing.assert_close(f.grad, (1 / counts)[b][:, None].expand(-1, 4))
     else:
         assert f.grad.sum().item() == pytest.approx(12.0)  # one winner per sample and channel
+    # A sample without voxels pools to zeros either way (max gave -inf: inf and NaN logits)
+    empty = x.replace(coords=x.coords[b != 1].contiguous(), feats=f[b != 1].detach())
+    assert GlobalPool(mode)(empty)[1].tolist() == [0.0] * 4
 
 
 def test_max_pool_ties_go_to_smallest_coordinate():
@@ -137,6 +140,10 @@ def test_conv_errors_name_the_problem(gen):
         SubMConv3d(3, 4, kernel_size=2)
     with pytest.raises(ConvError, match="indice_key"):
         SparseInverseConv3d(4, 4, 2, indice_key="nowhere")(x)
+    with pytest.raises(ConvError, match="padding must be >= 0; got -1"):
+        SparseConv3d(3, 4, 3, padding=-1)
+    with pytest.raises(ValueError, match="momentum must be a number in \\[0, 1\\]; got None"):
+        BatchNorm(4, momentum=None)  # type: ignore[arg-type]
 
 
 def test_a_layer_refuses_an_input_that_breaks_the_tensor_contract():
@@ -179,8 +186,58 @@ def test_maps_do_not_cross_between_serial_and_distributed_tensors(gen):
         down(xl)  # a distributed one
         with pytest.raises(ConvError, match="no spatial context"):
             down(x.replace(kmaps=xl.kmaps))
-        with pytest.raises(ConvError, match=f"built for {len(xl.coords)} voxels"):
+        with pytest.raises(ConvError, match=rf"another voxel set \({len(xl.coords)} voxels"):
             down(xl.replace(coords=xl.coords[:10], feats=xl.feats[:10]))
+
+
+@pytest.mark.parametrize("engine", ["torch", "spconv"])
+def test_a_new_voxel_set_at_the_same_stride_gets_its_own_maps(gen, engine):
+    """A non-submanifold stride-1 convolution (new voxels at the same stride) and
+    ``replace(coords=...)`` keep the input's kmaps; the next layers use maps of their own voxels
+    (they ran the input's, returning its coordinates, where the counts happened to match)."""
+    from sparsepipe_hpc.sparse import SparseTensor
+
+    x = random_cloud(gen, 80, shape=(8, 8, 8), channels=3, dtype=torch.float64)
+    torch.manual_seed(0)
+    subm, grow, subm2 = (SubMConv3d(3, 3, 3, engine=engine), SparseConv3d(3, 3, 3, 1, 1,
+                         engine=engine), SubMConv3d(3, 3, 3, engine=engine))
+    subm, grow, subm2 = subm.double(), grow.double(), subm2.double()
+    y = grow(subm(x))
+    fresh = SparseTensor(y.coords.clone(), y.feats, y.spatial_shape, y.batch_size)
+    got, want = subm2(y), subm2(fresh)
+    assert torch.equal(got.coords, want.coords) and torch.allclose(got.feats, want.feats)
+    moved = x.replace(coords=x.coords.flip(0).contiguous())  # the same count, other rows
+    again = SparseTensor(moved.coords.clone(), x.feats, x.spatial_shape, x.batch_size)
+    got, want = subm(moved), subm(again)
+    assert torch.equal(got.coords, want.coords) and torch.allclose(got.feats, want.feats)
+
+
+def test_an_indice_key_names_one_convolution(gen):
+    x = random_cloud(gen, 80, shape=(8, 8, 8), channels=3, dtype=torch.float32)
+    SparseConv3d(3, 4, 2, 2, indice_key="k")(x)
+    with pytest.raises(ConvError, match="indice_key 'k' names a convolution of kernel_size 2, "
+                                        "stride 2, padding 0, dilation 1; this layer has 3, 2, 1"):
+        SparseConv3d(3, 4, 3, 2, 1, indice_key="k")(x)
+    other = x.replace(coords=x.coords[:40], feats=x.feats[:40])
+    with pytest.raises(ConvError, match=rf"another voxel set \({len(x.coords)} voxels; this "
+                                        r"input has 40\)"):
+        SparseConv3d(3, 4, 2, 2, indice_key="k")(other)
+
+
+def test_a_unet_builds_each_kernel_map_once(gen, monkeypatch):
+    """The layers hand the same coords tensor along, so no map is built twice in a step."""
+    import sparsepipe_hpc.kmaps as kmaps
+
+    built = []
+
+    class Counted(kmaps.ConvEntry):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self.spec)
+    monkeypatch.setattr(kmaps, "ConvEntry", Counted)
+    x = random_cloud(gen, 400, shape=(16, 16, 16), batch=2, channels=3, dtype=torch.float32)
+    SparseUNet(3, 5, width=4, depth=3)(x).feats.sum().backward()
+    assert len(built) == len(x.kmaps) == 7  # subm at strides 1, 2, 4, 8; three down-samplings
 
 
 def test_sparse_tensor_contract_errors():

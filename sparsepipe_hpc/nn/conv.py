@@ -42,6 +42,8 @@ class _SparseConvBase(nn.Module):
                         ("kernel_size", kernel_size), ("stride", stride), ("dilation", dilation)):
             if int(v) < 1:
                 raise ConvError(f"{name} must be >= 1; got {v}")
+        if int(padding) < 0:
+            raise ConvError(f"padding must be >= 0; got {padding}")
         if subm and kernel_size % 2 == 0:
             raise ConvError(f"a submanifold convolution needs an odd kernel_size; got {kernel_size}")
         self.in_channels, self.out_channels = in_channels, out_channels

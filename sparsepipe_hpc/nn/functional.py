@@ -223,6 +223,7 @@ class _GlobalPool(torch.autograd.Function):
         out = torch.full((batch_size, c), -torch.inf, dtype=feats.dtype, device=feats.device)
         out.scatter_reduce_(0, b[:, None].expand(-1, c), feats, "amax")
         allreduce_(out, comm, "max")
+        out.masked_fill_(out == -torch.inf, 0)  # a sample with no voxels pools to 0, as avg's
         keys = coord_keys(coords)
         big = torch.iinfo(torch.int64).max
         at_max = feats == out[b]

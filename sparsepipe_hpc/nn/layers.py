@@ -48,6 +48,10 @@ class BatchNorm(nn.BatchNorm1d):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1,
                  deferred: bool = False):
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
+                or not 0 <= momentum <= 1:
+            raise ValueError(f"BatchNorm momentum must be a number in [0, 1]; got {momentum!r} "
+                             f"(torch's momentum=None, a cumulative average, is not supported)")
         super().__init__(num_features, eps, momentum)
         self.deferred = deferred
         self._pending: Optional[torch.Tensor] = None  # deferred sums since the last commit

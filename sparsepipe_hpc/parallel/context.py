@@ -34,7 +34,8 @@ from halo.cuts import Cuts
 from halo.transport.base import Reducer
 from halo.transport.collectives import ReduceGroup, allgatherv, allreduce_, bcast_
 from sparsepipe_hpc.parallel.failures import disagreement
-from sparsepipe_hpc.parallel.gradients import DEFAULT_BUCKET_BYTES, GradientReducer
+from sparsepipe_hpc.parallel.gradients import DEFAULT_BUCKET_BYTES, GradientReducer, \
+    gradient_anywhere
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
 from sparsepipe_hpc.parallel.spatial import check_payloads
 from sparsepipe_hpc.sparse import SparseTensor
@@ -222,15 +223,18 @@ class ParallelContext:
 
     def allreduce_gradients(self, params: Sequence[torch.nn.Parameter] | torch.nn.Module) -> None:
         """Sum gradients over every rank holding these parameters, in one flat buffer per dtype
-        (a parameter without a gradient counts as zeros and gets the sum)."""
+        (a parameter without a gradient on this rank counts as zeros and gets the sum; one that
+        no rank gave a gradient, or a frozen one, keeps ``grad = None``, as in one process)."""
         self._check_open()
         if isinstance(params, torch.nn.Module):
             params = list(params.parameters())
         if self.stats_comm.Get_size() == 1:
             return
+        params = list(params)
         groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-        for p in params:
-            groups.setdefault((p.dtype, p.device), []).append(p)
+        for p, had in zip(params, gradient_anywhere(params, self.stats_comm)):
+            if had:
+                groups.setdefault((p.dtype, p.device), []).append(p)
         for group in groups.values():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
             flat = torch.cat([g.reshape(-1) for g in grads]).contiguous()

@@ -8,8 +8,10 @@
     opt.step()
 
 The result is :meth:`ParallelContext.allreduce_gradients`'s: every parameter's ``.grad`` becomes
-the sum over the ranks of ``comm`` (zeros where a rank had none; a parameter no rank touched gets
-zeros too), elementwise the same MPI sum, only split into buckets and started earlier.
+the sum over the ranks of ``comm`` (zeros where a rank had none), elementwise the same MPI sum,
+only split into buckets and started earlier. A parameter no rank gave a gradient, and a frozen one
+(``requires_grad=False``), keeps ``grad = None``, as in one process: an optimizer skips it (with
+its weight decay) there too.
 
 How a bucket starts. Buckets hold parameters in reverse registration order (backward produces the
 last layers' gradients first), at most ``bucket_bytes`` each, one dtype and device per bucket. A
@@ -32,16 +34,28 @@ an error, not a silent partial sum.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
+import numpy as np
 import torch
 
 from halo.transport.base import Reducer, Request
 from halo.transport.collectives import ReduceGroup, iallreduce_
 
-__all__ = ["GradientReducer", "GradientReducerError", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["GradientReducer", "GradientReducerError", "DEFAULT_BUCKET_BYTES", "gradient_anywhere"]
 
 DEFAULT_BUCKET_BYTES = 4 << 20  # 4 MiB: a few buckets for the default U-Net, latency amortized
+
+
+def gradient_anywhere(params: list[torch.nn.Parameter], comm: Any) -> Iterator[bool]:
+    """For each of ``params``, whether it takes the summed gradient: it requires one and some
+    rank of ``comm`` has one (a host all-reduce of flags: nothing is read from a device).
+    Collective."""
+    from mpi4py import MPI
+
+    had = np.array([p.grad is not None for p in params], np.uint8)
+    comm.Allreduce(MPI.IN_PLACE, had, op=MPI.MAX)
+    return (bool(h) and p.requires_grad for h, p in zip(had, params))
 
 
 class GradientReducerError(RuntimeError):
@@ -168,13 +182,16 @@ class GradientReducer:
             self.arm()
         while self._next < len(self.buckets):
             self._start(self._next)
+        # After every bucket's start, so that every rank makes the collectives in one order.
+        had = gradient_anywhere([p for b in self.buckets for p in b.params], self.comm)
         for bucket in self.buckets:
             assert bucket.request is not None  # every bucket was started just above
             bucket.request.wait()
             for p, off in zip(bucket.params, bucket.offsets):
-                # A fresh tensor per parameter, as allreduce_gradients gives: the buffer is reused
-                # by the next step, and an optimizer may keep a reference to p.grad.
-                p.grad = bucket.buffer[off:off + p.numel()].view_as(p).clone()
+                if next(had):
+                    # A fresh tensor per parameter, as allreduce_gradients gives: the buffer is
+                    # reused by the next step, and an optimizer may keep a reference to p.grad.
+                    p.grad = bucket.buffer[off:off + p.numel()].view_as(p).clone()
         self._armed = False
 
     def _check_open(self) -> None:

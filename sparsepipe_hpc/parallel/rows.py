@@ -63,11 +63,17 @@ class Moved:
         ``answers``: tensors with ``recv_n.sum()`` rows, aligned with :attr:`rows`. Returns them,
         on the sender, aligned with the rows it passed to :func:`send_rows`.
         """
+        n = int(self.recv_n.sum())
+        problem = next((f"reply: an answer has {len(a)} rows; one per received row ({n}) is "
+                        f"needed" for a in answers if len(a) != n), "")
+        # Agreed first: a rank raising alone would leave the others in the exchange below.
+        if not self.local and self.comm.allreduce(1 if problem else 0, op=MPI.MAX) and \
+                not problem:
+            problem = "reply: another rank passed an answer of the wrong length; see its error"
+        if problem:
+            raise ValueError(problem)
         out = []
         for a in answers:
-            if len(a) != int(self.recv_n.sum()):
-                raise ValueError(f"reply: an answer has {len(a)} rows; one per received row "
-                                 f"({int(self.recv_n.sum())}) is needed")
             if self.local:  # every row stayed on its rank, in its order
                 out.append(a.cpu())
                 continue
@@ -93,20 +99,28 @@ def send_list(comm: Any, dest: torch.Tensor, tensors: list[torch.Tensor]) -> Mov
     what is received plus one tensor's sorted copy, not everything sent as well)."""
     size = comm.Get_size()
     dest = torch.as_tensor(dest).long().cpu()
-    for t in tensors:
-        if len(t) != len(dest):
-            raise ValueError(f"send_rows: a tensor has {len(t)} rows but dest has {len(dest)}")
-    if len(dest) and (int(dest.min()) < 0 or int(dest.max()) >= size):
-        raise ValueError(f"send_rows: destinations must lie in [0, {size}); got "
-                         f"[{int(dest.min())}, {int(dest.max())}]")
+    problem = next((f"send_rows: a tensor has {len(t)} rows but dest has {len(dest)}"
+                    for t in tensors if len(t) != len(dest)), "")
+    if not problem and len(dest) and (int(dest.min()) < 0 or int(dest.max()) >= size):
+        problem = (f"send_rows: destinations must lie in [0, {size}); got "
+                   f"[{int(dest.min())}, {int(dest.max())}]")
     if size == 1:  # nothing moves: no copies
+        if problem:
+            raise ValueError(problem)
         n = np.array([len(dest)], np.int64)
         rows = tuple(t.cpu() for t in tensors)
         tensors.clear()
         return Moved(rows, comm, torch.arange(len(dest)), n, n.copy(), local=True)
-    send_n = np.bincount(dest.numpy(), minlength=size).astype(np.int64)
+    # A rank with bad input sends counts of -1: every rank learns of it in the same exchange.
+    send_n = np.full(size, -1, np.int64) if problem else \
+        np.bincount(dest.numpy(), minlength=size).astype(np.int64)
     recv_n = np.empty(size, np.int64)
     comm.Alltoall(send_n, recv_n)
+    if problem:
+        raise ValueError(problem)
+    if (recv_n < 0).any():
+        raise ValueError(f"send_rows: rank {int(np.argmax(recv_n < 0))} passed bad rows; see "
+                         f"its error")
     me = comm.Get_rank()
     away = int(send_n.sum() - send_n[me])
     if comm.allreduce(away, op=MPI.MAX) == 0:  # every row is already home (e.g. chunked input)

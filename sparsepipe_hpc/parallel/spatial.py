@@ -224,7 +224,7 @@ class SpatialDomain:
         """The distributed map of a (non-transposed) convolution ``spec`` on ``x``, cached in
         ``x.kmaps[key]`` (the build is collective over the group when the convolution needs a
         halo plan)."""
-        return cached_entry(x, key, lambda: self._build_entry(x, spec))
+        return cached_entry(x, key, spec, lambda: self._build_entry(x, spec))
 
     def _build_entry(self, x: SparseTensor, s: ConvSpec) -> ConvEntry:
         geometry = s.geometry

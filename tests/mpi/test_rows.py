@@ -40,3 +40,19 @@ def test_send_list_consumes_its_tensors(comm):
     tensors = [ids.clone(), ids.clone()]
     moved = send_list(comm, torch.full((10,), comm.rank), tensors)
     assert tensors == [] and torch.equal(moved.rows[0], ids)
+
+
+def test_bad_rows_on_one_rank_raise_on_every_rank(comm):
+    """A rank's bad destinations or answer lengths used to raise on that rank alone, before the
+    exchange the others had entered: every rank raises now, and they stay in step."""
+    last = comm.rank == comm.size - 1
+    dest = torch.tensor([0, comm.size if last else 0])  # the last rank names no rank
+    with pytest.raises(ValueError, match=r"destinations must lie in \[0, \d+\)|rank \d+ passed "
+                                         r"bad rows"):
+        send_rows(comm, dest, torch.arange(2.0))
+    moved = send_rows(comm, torch.zeros(2, dtype=torch.long), torch.arange(2.0))
+    n = len(moved.rows[0])
+    with pytest.raises(ValueError, match="an answer has|another rank passed an answer"):
+        moved.reply(torch.zeros(n + 1 if last else n))
+    back, = moved.reply(torch.arange(float(n)))  # still in step afterwards
+    assert len(back) == 2

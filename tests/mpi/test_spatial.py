@@ -118,6 +118,9 @@ LAYERS = {
                                                SparseInverseConv3d(4, 2, 2, indice_key="d")), 2),
     "down_up_k3": (lambda: torch.nn.Sequential(SparseConv3d(3, 4, 3, 2, 1, indice_key="d"),
                                                SparseInverseConv3d(4, 2, 3, indice_key="d")), 2),
+    # A stride-1 convolution that grows the voxel set: the next submanifold layer's own maps
+    "subm_grow_subm": (lambda: torch.nn.Sequential(
+        SubMConv3d(3, 4, 3), SparseConv3d(4, 4, 3, 1, 1), SubMConv3d(4, 4, 3)), 1),
     "bn": (lambda: torch.nn.Sequential(SubMConv3d(3, 4, 3), BatchNorm(4)), 1),
     "avgpool": (lambda: torch.nn.Sequential(SubMConv3d(3, 4, 3), GlobalPool("avg")), 1),
     "maxpool": (lambda: torch.nn.Sequential(SubMConv3d(3, 4, 3), GlobalPool("max")), 1),
