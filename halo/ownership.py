@@ -15,13 +15,13 @@ trailing shapes that differ between ranks) raises OwnershipError on every rank.
 
 from __future__ import annotations
 
-import zlib
 from typing import Optional
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from halo.agree import agree
 from halo.cuts import Cuts
 from halo.grid import ProcessGrid
 from halo.kmap import MAX_BATCH, coord_keys
@@ -76,26 +76,17 @@ def _rows_problem(coords: torch.Tensor, payloads) -> str:
     return ""
 
 
-def _signature(tensors, setting: str) -> tuple[np.ndarray, str]:
-    """What every rank must pass alike, as int64 codes and in words: each tensor's elements per
-    row and dtype (rows travel as bytes and are read back as the receiver's dtype), and
-    ``setting`` (cuts and stride)."""
-    words = [setting] + [f"{t.dtype} x {tuple(t.shape[1:])}" for t in tensors]
-    return np.array([len(tensors), zlib.crc32("; ".join(words).encode())], np.int64), \
-        "; ".join(words)
-
-
 def _agree(comm: MPI.Comm, problem: str, tensors, setting: str = "") -> None:
-    """Raise OwnershipError on every rank if any rank found a problem or the ranks' tensors
-    (coords, then payloads) or ``setting`` differ."""
-    sig, words = _signature(tensors, setting)
-    buf = np.concatenate([[1 if problem else 0], sig, -sig])
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)  # maxima, and minima negated: one collective
+    """Raise OwnershipError on every rank if any rank found a problem, or the ranks' tensors
+    (coords, then payloads: their dtypes and row shapes, since rows travel as bytes and are read
+    back as the receiver's dtype) or ``setting`` differ."""
+    words = "; ".join([setting] + [f"{t.dtype} x {tuple(t.shape[1:])}" for t in tensors])
+    any_problem, same = agree(comm, bool(problem), words)
     if problem:
         raise OwnershipError(problem)
-    if buf[0]:
+    if any_problem:
         raise OwnershipError("another rank passed bad rows; see its error")
-    if not np.array_equal(buf[1:3], -buf[3:]):
+    if not same:
         raise OwnershipError(f"ranks passed different arguments (cuts, stride, or the dtype or "
                              f"row shape of coords or a payload): here {words}; every rank "
                              f"must pass the same")

@@ -34,14 +34,13 @@ them. The exchange is counts first, then coordinates, both point-to-point throug
 from __future__ import annotations
 
 import itertools
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional, Sequence
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
+from halo.agree import agree
 from halo.cuts import CutError, Cuts
 from halo.grid import ProcessGrid
 from halo.kmap import (MAX_BATCH, MAX_EXTENT, KernelMap, coord_keys, kernel_map,
@@ -385,14 +384,12 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
     # Agree first, so that one rank's bad rows stop every rank before the point-to-point phase;
     # and on the arguments every rank must pass alike (each would plan with its own).
     setting = f"cuts {cuts!r}, radius {radius}, stride {stride}"
-    code = zlib.crc32(setting.encode())
-    flags = np.array([1 if problem else 0, code, -code], np.int64)
-    grid.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)  # maxima, and minima negated
+    any_problem, same = agree(grid.comm, bool(problem), setting)
     if problem:
         raise PlanError(f"build_plan on rank {grid.rank}: {problem}")
-    if flags[0]:
+    if any_problem:
         raise PlanError("build_plan: another rank passed bad coords; see its error")
-    if flags[1] != -flags[2]:
+    if not same:
         raise PlanError(f"build_plan: ranks passed different arguments; here {setting}; every "
                         f"rank must pass the same")
     if thin is not None:
