@@ -140,3 +140,38 @@ def test_launch_job_renders_the_planners_plan(tmp_path):
                            "--cpu-only", "--plan", str(bad)], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
     assert proc.returncode != 0 and "balance [5] must list 2 positive" in proc.stderr
+
+
+def test_machine_file_options_are_applied_alike(tmp_path, capsys):
+    from sparsepipe_hpc.plan.cli import _machine, build_parser
+    machine = tmp_path / "m4.toml"
+    machine.write_text("ranks_per_node = 4\ndevice_speed = [1.0, 1.0, 0.5, 0.5]\n"
+                       "device_memory = [8e9, 16e9, 8e9, 16e9]\n")
+
+    def built(*argv):
+        return _machine(build_parser().parse_args(["--machine", str(machine), *argv]))
+
+    assert built("--ranks-per-node", "2").ranks_per_node == 2     # alone, too
+    m = built("--device-speed", "2,2,1,1")
+    assert [d.memory for d in m.devices] == [8e9, 16e9, 8e9, 16e9]
+    # Unequal memory for another rank count is refused, not replaced by device 0's.
+    prof = _profile_file(tmp_path)
+    assert plan_main(["--profile", str(prof), "--machine", str(machine), "--ranks", "2",
+                      "--device-speed", "1,1"]) == 2
+    assert "4 unequal values where --device-memory is not given" in capsys.readouterr().err
+
+
+def test_a_profile_with_figures_out_of_range_exits_2(tmp_path, capsys):
+    good = json.loads(_profile_file(tmp_path).read_text())
+    for change, words in ((lambda d: d["blocks"][0]["forward"].update(b=float("nan")),
+                           r"blocks\[0\] \('\w+'\)\.forward\.b is nan; it must be a finite"),
+                          (lambda d: d.update(total_stride=0), "total_stride is 0"),
+                          (lambda d: d.update(extent=[64, 64]), r"extent is \(64, 64\)"),
+                          (lambda d: d.update(voxels_per_sample=0.0),
+                           r"voxels_per_sample is 0\.0; it must be a finite number > 0")):
+        doc = json.loads(json.dumps(good))
+        change(doc)
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(doc))
+        assert plan_main(["--profile", str(bad), "--ranks", "2"]) == 2
+        assert re.search(words, capsys.readouterr().err)

@@ -92,8 +92,11 @@ def test_halo_bytes_by_hand():
 def test_halo_time_and_memory():
     link = Link(1e-5, 1e-9)
     assert halo_time(1000.0, 3, (1, 1, 1), link) == 0.0
-    assert halo_time(1000.0, 3, (2, 1, 1), link) == pytest.approx(2 * (3 * 2 * 1e-5 + 1e-6))
-    assert halo_time(1000.0, 1, (2, 2, 2), link) == pytest.approx(2 * (26 * 1e-5 + 1e-6))
+    # Latencies per neighbour of the busiest box: 1 on 2x1x1, 2 on 4x1x1, 7 on 2x2x2, 26 on 3x3x3.
+    assert halo_time(1000.0, 3, (2, 1, 1), link) == pytest.approx(2 * (3 * 1 * 1e-5 + 1e-6))
+    assert halo_time(1000.0, 3, (4, 1, 1), link) == pytest.approx(2 * (3 * 2 * 1e-5 + 1e-6))
+    assert halo_time(1000.0, 1, (2, 2, 2), link) == pytest.approx(2 * (7 * 1e-5 + 1e-6))
+    assert halo_time(1000.0, 1, (3, 3, 3), link) == pytest.approx(2 * (26 * 1e-5 + 1e-6))
     assert memory_bytes(100.0, 10.0, 3) == 430.0
     assert memory_bytes(100.0, 10.0, 3, optimizer_factor=3.0) == 330.0
     with pytest.raises(ValueError, match="act_bytes"):

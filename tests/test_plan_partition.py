@@ -36,6 +36,7 @@ def brute_all(blocks, devs, link, m, inflight, extra=None):
             i, j = bounds[s], bounds[s + 1]
             t = (sum(b.time for b in blocks[i:j])
                  + (extra[i][j] if extra is not None else 0)) / devs[s].speed
+            t += sum(b.comm for b in blocks[i:j])       # the blocks' own messages: any speed
             if s > 0:
                 ln = _link_at(link, devs, s - 1)
                 t += 2 * (ln.alpha + ln.beta * blocks[i - 1].out_bytes)
@@ -51,9 +52,14 @@ def brute_all(blocks, devs, link, m, inflight, extra=None):
     return out
 
 
-def brute_best(cands):
-    """Least bottleneck, then least sum, then smallest bounds (exact arithmetic assumed)."""
-    return min(cands, key=lambda c: (max(c[1]), sum(c[1]), c[0]))
+def brute_step(times, m):
+    """The pipeline's step time: the fill/drain sum and m - 1 slots of the bottleneck."""
+    return sum(times) + (m - 1) * max(times)
+
+
+def brute_best(cands, m):
+    """Least step time, then least bottleneck, then smallest bounds (exact arithmetic assumed)."""
+    return min(cands, key=lambda c: (brute_step(c[1], m), max(c[1]), c[0]))
 
 
 def random_instance(rng, exact):
@@ -67,7 +73,8 @@ def random_instance(rng, exact):
     else:
         num = lambda hi: float(rng.uniform(0, hi))  # noqa: E731
         speeds = rng.uniform(0.2, 3.0, size=S)
-    blocks = [Block(time=num(10), out_bytes=num(6), param_bytes=num(6), act_bytes=num(4))
+    blocks = [Block(time=num(10), out_bytes=num(6), param_bytes=num(6), act_bytes=num(4),
+                    comm=num(3) if rng.random() < 0.5 else 0.0)
               for _ in range(n)]
     m = int(rng.integers(1, 5))
     inflight = [inflight_1f1b, inflight_gpipe][int(rng.integers(2))]
@@ -116,8 +123,8 @@ def test_dp_matches_brute_force_exactly_on_integer_instances(seed):
             continue
         p = partition_stages(blocks, devs, link, m, inflight)
         check_partition(p, blocks, devs, link, m, inflight)
-        bounds, times = brute_best(cands)
-        assert p.bottleneck == max(times) and sum(p.times) == sum(times)
+        bounds, times = brute_best(cands, m)
+        assert p.step_time() == brute_step(times, m) and p.bottleneck == max(times)
         assert p.bounds == bounds     # the documented tie-break, all three levels
         assert p.order == tuple(range(len(devs))) and p.microbatches == m
     assert 0 < infeasible < 150       # the caps bind sometimes, not always
@@ -135,10 +142,10 @@ def test_dp_matches_brute_force_on_float_instances(seed):
             continue
         p = partition_stages(blocks, devs, link, m, inflight)
         check_partition(p, blocks, devs, link, m, inflight)
-        opt = min(max(t) for _, t in cands)
-        assert math.isclose(p.bottleneck, opt, rel_tol=1e-12, abs_tol=1e-12)
-        least_sum = min(sum(t) for _, t in cands if max(t) <= opt * (1 + 1e-12))
-        assert math.isclose(sum(p.times), least_sum, rel_tol=1e-12, abs_tol=1e-12)
+        opt = min(brute_step(t, m) for _, t in cands)
+        assert math.isclose(p.step_time(), opt, rel_tol=1e-12, abs_tol=1e-12)
+        least = min(max(t) for _, t in cands if brute_step(t, m) <= opt * (1 + 1e-9))
+        assert math.isclose(p.bottleneck, least, rel_tol=1e-12, abs_tol=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -148,7 +155,8 @@ def test_best_order_matches_brute_force_over_device_permutations(seed):
         blocks, devs, link, m, inflight = random_instance(rng, exact=True)
         if isinstance(link, list):
             link = Link(1.0, 0.5)
-        cands = [(max(t), sum(t), perm) for perm in itertools.permutations(range(len(devs)))
+        cands = [(brute_step(t, m), max(t), perm)
+                 for perm in itertools.permutations(range(len(devs)))
                  for _, t in brute_all(blocks, [devs[k] for k in perm], link, m, inflight)]
         if not cands:
             with pytest.raises(PartitionError, match="any order"):
@@ -160,7 +168,7 @@ def test_best_order_matches_brute_force_over_device_permutations(seed):
         assert list(p.devices) == order_devs
         check_partition(p, blocks, order_devs, link, m, inflight)
         best = min(cands)
-        assert (p.bottleneck, sum(p.times)) == best[:2]
+        assert (p.step_time(), p.bottleneck) == best[:2]
         fixed = partition_stages(blocks, order_devs, link, m, inflight)
         assert p == dataclasses.replace(fixed, order=p.order)
 
@@ -191,11 +199,16 @@ def test_docstring_example_sum_breaks_the_bottleneck_tie():
 
 def test_a_slower_device_gets_fewer_blocks():
     blocks = [Block(time=1.0)] * 10
-    # Slow stage with k blocks takes 2k s; k = 2 leaves 8 blocks for the two fast stages: 4, 4.
-    p = partition_stages(blocks, [Device(), Device(), Device(speed=0.5)])
+    # Many micro-batches: the bottleneck decides. A slow stage with k blocks takes 2k s; k = 2
+    # leaves 8 blocks for the two fast stages: 4, 4.
+    p = partition_stages(blocks, [Device(), Device(), Device(speed=0.5)], microbatches=64)
     assert p.bounds == (0, 4, 8, 10) and p.times == (4.0, 4.0, 4.0)
-    p = partition_stages(blocks, [Device(), Device(speed=0.5), Device()])
+    p = partition_stages(blocks, [Device(), Device(speed=0.5), Device()], microbatches=64)
     assert p.bounds == (0, 4, 6, 10) and p.times == (4.0, 4.0, 4.0)
+    # One micro-batch runs the stages one after the other: the least sum decides (one block on
+    # the slow device: 4 + 5 + 2 = 11 s, not 12), then the least bottleneck.
+    p = partition_stages(blocks, [Device(), Device(), Device(speed=0.5)])
+    assert p.bounds == (0, 4, 9, 10) and p.times == (4.0, 5.0, 2.0)
     even = partition_stages(blocks[:9], [Device()] * 3)
     assert [len(r) for r in even.stages] == [3, 3, 3]
 
@@ -336,10 +349,11 @@ def test_extra_segment_costs_against_brute_force():
         extra = np.triu(rng.integers(0, 6, size=(n + 1, n + 1)).astype(float), 1)
         extra[0, :] = 0.0   # the first stage rebuilds nothing
         link = Link(alpha=1.0, beta=0.5)
-        want = brute_best(brute_all(blocks, devs, link, 1, inflight_1f1b, extra))
-        got = partition_stages(blocks, devs, link, 1, extra=extra)
+        m = int(rng.integers(1, 5))
+        want = brute_best(brute_all(blocks, devs, link, m, inflight_1f1b, extra), m)
+        got = partition_stages(blocks, devs, link, m, extra=extra)
         assert (got.bounds, list(got.times)) == (want[0], want[1])
-        best = partition_stages_best_order(blocks, devs, link, extra=extra)
-        assert best.bottleneck <= got.bottleneck
+        best = partition_stages_best_order(blocks, devs, link, m, extra=extra)
+        assert best.step_time() <= got.step_time()
     with pytest.raises(PartitionError, match=r"extra must be a \[3, 3\] array"):
         partition_stages([Block(1.0), Block(1.0)], [Device()], extra=np.zeros((2, 2)))

@@ -60,8 +60,9 @@ def test_spatial_split_divides_voxels_and_adds_halo():
     m = Machine.uniform(2, 2, intra=LINK, inter=LINK)
     p = evaluate(prof, m, replicas=1, stages=1, grid=(2, 1, 1), micro_batches=1, batch_size=1)
     assert p.voxels_per_rank == 500
-    # halo: one inner face, g_x / G = 1 of the cross-section, V / E_x = 1000 / 64 voxels per layer.
-    per_block = 2 * (1 * 26 ** 0 * 2 * LINK.alpha + LINK.beta * (1000 / 64) * 4.0)
+    # halo: one inner face, g_x / G = 1 of the cross-section, V / E_x = 1000 / 64 voxels per layer;
+    # one exchange with one neighbour, forward and backward.
+    per_block = 2 * (1 * 1 * LINK.alpha + LINK.beta * (1000 / 64) * 4.0)
     assert p.halo == pytest.approx((4 * per_block,))
     assert p.compute == pytest.approx((4 * 1.0,))
 
@@ -143,11 +144,50 @@ def test_stages_pay_for_kernel_maps_made_before_them():
     assert r[2, 3] == 1.0 and r[2, 4] == 6.0 and r[3, 4] == 6.0 and r[1, 4] == 5.0
     assert np.all(r[0] == 0) and r[1, 3] == 0.0
     m = Machine.uniform(2, 2, intra=LINK, inter=LINK)
-    plain = evaluate(profile(), m, 1, 2, (1, 1, 1), 1, 1)
-    paid = evaluate(prof, m, 1, 2, (1, 1, 1), 1, 1)
+    plain = evaluate(profile(), m, 1, 2, (1, 1, 1), 4, 4)
+    paid = evaluate(prof, m, 1, 2, (1, 1, 1), 4, 4)
+    # 4 micro-batches: (3 | 1) takes 6 and 2 + 6 s, step 14 + 3 x 8; (2 | 2) 4 and 4 + 6 s,
+    # 14 + 3 x 10; (1 | 3) 2 and 6 + 5 s, 13 + 3 x 11 (transfers aside).
     assert plain.balance == (2, 2) and paid.balance == (3, 1)
     assert paid.stage_times[1] == pytest.approx(2.0 + 6.0 + 2 * LINK.alpha)
+    # One micro-batch runs the stages in turn: the least sum, 13 s, wins.
+    once = evaluate(prof, m, 1, 2, (1, 1, 1), 1, 1)
+    assert once.balance == (1, 3) and once.stage_times[1] == pytest.approx(11.0 + 2 * LINK.alpha)
     fixed = evaluate(prof, m, 1, 2, (1, 1, 1), 1, 1, balance=(2, 2))
     assert fixed.stage_times[1] == pytest.approx(4.0 + 6.0 + 2 * LINK.alpha)
     one_stage = evaluate(prof, m, 2, 1, (1, 1, 1), 1, 2)   # no pipeline: nothing is rebuilt
     assert one_stage.stage_times == pytest.approx((8.0,))
+
+
+def test_the_chosen_split_is_the_fastest_under_the_searchs_own_step_time():
+    # 3 blocks of 6, 2 and 4 s, a cut after block 0 costly: with one micro-batch the least
+    # bottleneck, (1 | 2) at 6.5 + 6.5 s, loses to (2 | 1) at 8 + 4 s.
+    link = Link(alpha=0.0, beta=1e-3)
+    blocks = tuple(BlockProfile(name=f"b{k}", forward=Fit(0.0, t / 1000),
+                                backward=Fit(0.0, t / 1000), act_bytes=Fit(0.0, 0.0),
+                                out_bytes=Fit(0.0, o), param_bytes=0.0)
+                   for k, (t, o) in enumerate([(3.0, 0.25), (1.0, 0.0), (2.0, 0.0)]))
+    prof = ModelProfile("toy", "cpu", blocks, 1000.0, (64, 64, 64), 8, 3)
+    machine = Machine.uniform(2, 2, intra=link, inter=link)
+    best = search(prof, machine, batch_size=1, fixed={"stages": 2}).plans[0]
+    by_balance = {bal: evaluate(prof, machine, 1, 2, (1, 1, 1), 1, 1, balance=bal).step_time
+                  for bal in [(1, 2), (2, 1)]}
+    assert by_balance == pytest.approx({(1, 2): 13.0, (2, 1): 12.0})
+    assert best.balance == (2, 1) and best.step_time == pytest.approx(12.0)
+
+
+def test_a_fixed_balance_fixes_the_stage_count():
+    m = Machine.uniform(4, 4, intra=LINK, inter=LINK)
+    plans = search(profile(), m, batch_size=4, fixed={"balance": (1, 3)}).plans
+    assert plans and all(p.stages == 2 and p.balance == (1, 3) for p in plans)
+    with pytest.raises(SearchError, match=r"balance \(1, 3\) names 2 stage\(s\) but stages is 4"):
+        search(profile(), m, batch_size=4, fixed={"balance": (1, 3), "stages": 4})
+
+
+def test_halo_time_is_the_links_on_any_device():
+    prof = profile(halo=4.0)
+    halos = [evaluate(prof, Machine.uniform(2, 2, speed=s, intra=LINK, inter=LINK), 1, 1,
+                      (2, 1, 1), 1, 1) for s in (1.0, 0.5)]
+    assert halos[0].halo == pytest.approx(halos[1].halo)
+    assert halos[1].compute == pytest.approx(tuple(2 * c for c in halos[0].compute))
+    assert halos[1].stage_times[0] == pytest.approx(2 * halos[0].compute[0] + halos[0].halo[0])

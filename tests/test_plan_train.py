@@ -36,10 +36,11 @@ def test_plan_file_runs_the_planned_pipeline(tmp_path):
 
 
 def test_plan_auto_keeps_explicit_options_and_trains(tmp_path):
-    proc, _ = _train(tmp_path, "--plan", "auto", "--stages", "2", "--out", "run")
+    # A --balance alone fixes the stage count too (the search tried every count and failed).
+    proc, _ = _train(tmp_path, "--plan", "auto", "--balance", "5,3", "--out", "run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("--plan auto:"))
-    assert "--stages 2" in line and "--balance" in line and "predicted" in line
+    assert "--stages 2" in line and "--balance 5,3" in line and "predicted" in line
     assert "1 replica(s) x 2 stage(s)" in proc.stdout
 
 

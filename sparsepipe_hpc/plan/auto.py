@@ -3,10 +3,11 @@
     cfg = auto_plan(cfg, comm)     # collective: rank 0 profiles and searches, every rank applies
 
 Rank 0 voxelizes batches of the first 1, 2 and 4 training samples (capped by the batch size: the
-sizes micro-batches have, so the voxel fit interpolates), profiles the model on them
-(:func:`~sparsepipe_hpc.plan.profile.profile_model`, 3 repeats), and searches the layouts of the
-job's ranks on a uniform machine of that many ranks (one node: every rank gets the same speed,
-links are the defaults), keeping every layout option the user set (``cfg.plan_fixed``). The
+sizes micro-batches have, so the voxel fit interpolates), profiles the model on them on its own
+training device (:func:`~sparsepipe_hpc.plan.profile.profile_model`, 3 repeats), and searches the
+layouts of the job's ranks on a uniform machine of that many ranks (every rank the same speed,
+the launcher's ranks per node, default links; CPU ranks share rank 0's cores), keeping every
+layout option the user set (``cfg.plan_fixed``). The
 chosen plan is broadcast; every rank applies it. A failure on rank 0 (unreadable data, nothing fits) is raised on every rank.
 
 The pick rests on timings, so two runs may pick different layouts when plans are close; a run
@@ -24,8 +25,14 @@ from typing import Any, Optional
 __all__ = ["auto_plan", "plan_for_config"]
 
 
-def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3) -> Any:
-    """The best :class:`~sparsepipe_hpc.plan.search.Plan` for ``cfg`` on ``world_size`` ranks."""
+def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3,
+                    device: Any = "cpu", ranks_per_node: Optional[int] = None) -> Any:
+    """The best :class:`~sparsepipe_hpc.plan.search.Plan` for ``cfg`` on ``world_size`` ranks,
+    ``ranks_per_node`` of them per node (default: all on one), profiled on ``device`` (the one the
+    run computes on: GPU timings plan a GPU run). CPU ranks share the node's cores
+    (``Machine.core_share``), GPU ranks have a device each."""
+    import os
+
     import torch
 
     from sparsepipe_hpc.data import ModelNetDataset, SceneDataset, collate, grid_for
@@ -39,12 +46,12 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3)
     state = torch.random.get_rng_state()
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.in_channels, data.num_classes, width=cfg.width,
-                        depth=cfg.depth, engine=cfg.engine)
+                        depth=cfg.depth, engine=cfg.engine).to(device)
     torch.random.set_rng_state(state)
     origin, shape = grid_for(data, cfg.voxel_size, multiple=model.total_stride)
     sizes = sorted({min(k, len(data), cfg.batch_size) for k in (1, 2, 4)})
-    batches = [collate([data[i] for i in range(k)], cfg.voxel_size, origin, shape, clip=True).x
-               for k in sizes]
+    batches = [collate([data[i] for i in range(k)], cfg.voxel_size, origin, shape,
+                       clip=True).x.to(device) for k in sizes]
     prof = profile_model(model, batches, repeats=repeats, name=cfg.model)
     fixed: dict[str, Any] = {}
     for key in cfg.plan_fixed:
@@ -55,7 +62,9 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3)
     fixed.pop("pipeline_schedule", None)
     if cfg.input == "distributed":  # an unpipelined spatial group (check_input_options)
         fixed.update(stages=1, micro_batches=1)
-    machine = Machine.uniform(world_size, world_size)
+    cpu = torch.device(device).type == "cpu"
+    machine = Machine.uniform(world_size, ranks_per_node or world_size,
+                              cores_per_node=len(os.sched_getaffinity(0)) if cpu else None)
     result = search(prof, machine, cfg.batch_size, schedule=cfg.pipeline_schedule,
                     optimizer=cfg.optimizer, fixed=fixed, extent=shape)
     return result.plans[0]
@@ -63,14 +72,26 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3)
 
 def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
     """``cfg`` with the layout of the best plan for ``comm``'s ranks. **Collective.**"""
+    from mpi4py import MPI
+
+    from launch.env import detect
     from sparsepipe_hpc.data import default_data
     from sparsepipe_hpc.train.agreement import agree
+    from sparsepipe_hpc.train.device import resolve_device
 
     if cfg.plan != "auto":
         return cfg
     data_dir = Path(cfg.data) if cfg.data else default_data(cfg.task, comm=comm)
     rank0 = comm.Get_rank() == 0
-    plan = agree(comm, lambda: plan_for_config(cfg, comm.Get_size(), data_dir) if rank0 else None)
+    info = detect(comm)  # collective where the launcher leaves the node layout unsaid
+    per_node = comm.allreduce(info.local_size, op=MPI.MAX)
+
+    def pick() -> Any:
+        device = resolve_device(cfg.device, info.local_rank)
+        return plan_for_config(cfg, comm.Get_size(), data_dir, device=device,
+                               ranks_per_node=per_node)
+
+    plan = agree(comm, lambda: pick() if rank0 else None)
     plan = comm.bcast(plan, root=0)
     if rank0 and log is not None:
         log(f"--plan auto: {' '.join(plan.trainer_args())} (predicted {plan.step_time:.3g} s "

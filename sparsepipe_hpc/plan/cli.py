@@ -93,10 +93,11 @@ def _machine(args: argparse.Namespace) -> Any:
 
     if args.machine:
         m = load_machine(args.machine)
-        if args.device_speed or args.device_memory:
+        if args.device_speed or args.device_memory or args.ranks_per_node:
+            n = args.ranks or m.ranks
             m = Machine.build(
-                _vals(args.device_speed, [d.speed for d in m.devices], args.ranks),
-                _vals(args.device_memory, [d.memory for d in m.devices], args.ranks),
+                _vals("--device-speed", args.device_speed, [d.speed for d in m.devices], n),
+                _vals("--device-memory", args.device_memory, [d.memory for d in m.devices], n),
                 args.ranks_per_node or m.ranks_per_node, m.intra, m.inter, m.measured,
                 m.cores_per_node)
         return m.resized(args.ranks) if args.ranks else m
@@ -107,11 +108,19 @@ def _machine(args: argparse.Namespace) -> Any:
                                 args.ranks_per_node or args.ranks)
 
 
-def _vals(text: Optional[str], current: list[float], ranks: Optional[int]) -> list[float]:
-    from sparsepipe_hpc.plan.machine import parse_numbers
-    n = ranks or len(current)
-    return parse_numbers("--device-speed/--device-memory", text, n) if text else \
-        (current if len(current) == n else current[:1] * n)
+def _vals(option: str, text: Optional[str], current: list[float], n: int) -> list[float]:
+    """``option``'s values for ``n`` ranks, else the machine file's (one value for all where they
+    are alike; unlike values for another rank count are an error, as in ``Machine.resized``)."""
+    from sparsepipe_hpc.plan.machine import MachineError, parse_numbers
+    if text:
+        return parse_numbers(option, text, n)
+    if len(current) == n:
+        return current
+    if len(set(current)) > 1:
+        raise MachineError(f"the machine file gives {len(current)} unequal values where "
+                           f"{option} is not given, but {n} ranks were asked for; pass {option} "
+                           f"for all {n} ranks")
+    return current[:1] * n
 
 
 def _profile(args: argparse.Namespace) -> Any:

@@ -47,7 +47,8 @@ over a micro-batch of ``V`` input voxels on an extent ``E`` (voxels per axis):
   in input voxels, what the cost of building its halo plans and halo kernel maps scales with
   (:mod:`sparsepipe_hpc.plan.split`). 0 for a grid of one box.
 * ``halo_time``: ``2 * (exchanges * neighbours * alpha + beta * halo_bytes)``, forward and the
-  adjoint backward, ``neighbours = 3^k - 1`` for ``k`` split axes (26 in 3-D), receives in
+  adjoint backward, ``neighbours = prod_a (1 + min(2, g_a - 1)) - 1``: the busiest (innermost)
+  box's face, edge and corner neighbours (26 inside a 3-D split, 1 on a 2x1x1 grid), receives in
   parallel over a full-duplex link.
 * ``stage_transfer_bytes``: a cut carrying ``B`` bytes for the micro-batch sends ``B / G`` per
   rank (rank ``i`` of stage ``s`` to rank ``i`` of stage ``s + 1``: same box; worst box
@@ -202,10 +203,10 @@ def surface_voxels(voxels: float, extent: Sequence[int], grid: Sequence[int]) ->
 def halo_time(nbytes: float, exchanges: int, grid: Sequence[int], link: Link) -> float:
     """Seconds of halo traffic of a block per micro-batch, forward + backward (see the module)."""
     g = _grid(grid)
-    split = sum(1 for x in g if x > 1)
-    if split == 0 or exchanges == 0:
+    neighbours = math.prod(1 + min(2, x - 1) for x in g) - 1
+    if neighbours == 0 or exchanges == 0:
         return 0.0
-    return 2 * (exchanges * (3 ** split - 1) * link.alpha + link.beta * _nonneg("nbytes", nbytes))
+    return 2 * (exchanges * neighbours * link.alpha + link.beta * _nonneg("nbytes", nbytes))
 
 
 def memory_bytes(param_bytes: float, act_bytes: float, inflight: int,

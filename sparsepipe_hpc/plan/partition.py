@@ -13,6 +13,7 @@ of ``S`` runs blocks ``[i, j)`` on device ``s`` (``speed_s`` relative to the ref
 block times were measured on, ``memory_s`` bytes). Per micro-batch it costs, in seconds::
 
     f_s(i, j) = (sum(time[i:j]) + extra[i, j]) / speed_s              compute, forward + backward
+              + sum(comm[i:j])                                      the blocks' own messages
               + (s > 0)     * 2 * link_{s-1}.time(out_bytes[i - 1])    activation in, gradient out
               + (s < S - 1) * 2 * link_s.time(out_bytes[j - 1])        activation out, gradient in
 
@@ -30,33 +31,45 @@ with ``param_bytes`` the weights + gradients + optimizer state and ``act_bytes``
 block keeps for backward per micro-batch; ``k_s`` micro-batches are in flight on stage ``s``
 (1F1B: ``min(S - s, m)``; GPipe: ``m``). A stage over its device's memory costs ``f = inf``.
 
-Recurrence (dynamic programming over suffixes; ``H`` is the least bottleneck of blocks ``i..B-1``
-on stages ``s..S-1``, ``G`` the least sum of stage times among bottleneck-optimal splits)::
+Objective: the pipeline's step time (:func:`~sparsepipe_hpc.plan.cost.pipeline_step_time`),
+``sum_s f_s + (m - 1) * max_s f_s``: the fill/drain term and ``m - 1`` slots of the bottleneck.
+Dynamic programming over suffixes: ``H`` is the least bottleneck of blocks ``i..B-1`` on stages
+``s..S-1``, ``G_T`` the least sum of stage times among splits whose every stage takes at most
+``T``::
 
     H(S, B) = 0,  H(S, i) = inf for i < B,  H(s, i) = min_{j > i} max(f_s(i, j), H(s + 1, j))
-    T* = H(0, 0)
-    G(S, B) = 0,  G(S, i) = inf for i < B,
-    G(s, i) = min_{j > i, f_s(i, j) <= T*} f_s(i, j) + G(s + 1, j)
+    T* = H(0, 0)                                            the least bottleneck
+    G_T(S, B) = 0,  G_T(S, i) = inf for i < B,
+    G_T(s, i) = min_{j > i, f_s(i, j) <= T} f_s(i, j) + G_T(s + 1, j)
+    step = min_T  G_T(0, 0) + (m - 1) * T    over the stage times T >= T* that occur in f
 
-``O(S * B^2)`` time and memory. Ties are broken in this order, deterministically: (1) least
-bottleneck ``T*``; (2) least sum of stage times (the fill/drain term of
-:func:`~sparsepipe_hpc.plan.cost.pipeline_step_time`); (3) lexicographically smallest boundaries
-(the first stage as short as possible), found by walking forward from stage 0 and taking the
-smallest ``j`` that attains ``G``. Floats are compared exactly.
+The minimum is exact: a split with bottleneck ``T`` and sum ``sigma`` has ``G_T(0, 0) <= sigma``,
+and ``G_T(0, 0) + (m - 1) T`` is never below the step time of the split that attains it. The
+candidates are taken in increasing order, in batches, and the scan stops once ``G_inf(0, 0) + (m -
+1) T`` (a bound no later candidate can beat) reaches the best step found; with many micro-batches
+that is at ``T*`` or soon after, so the split is the least-bottleneck one unless fewer
+micro-batches make a slower stage worth a shorter fill (with one, the stages run one after the
+other and the least sum decides). ``O(S * B^2)`` per candidate. Ties are
+broken in this order, deterministically: (1) least step time, where steps within a relative
+:data:`STEP_RTOL` of the least tie (with one micro-batch and equal devices every split has the
+same sum, up to rounding); (2) least bottleneck; (3) lexicographically smallest boundaries (the
+first stage as short as possible), found by walking forward from stage 0 and taking the
+smallest ``j`` that attains ``G_T`` (compared exactly).
 
-Worked example (the snippet above; no transfers, no memory limit). Stage 1 (speed 0.5) on
-blocks ``[i, 4)`` costs ``f_1 = 8, 6, 4`` for ``i = 1, 2, 3``, so ``H(1, i) = 8, 6, 4``;
-``H(0, 0) = min(max(4, 8), max(5, 6), max(6, 4)) = 6``. Both ``j = 2`` (times 5, 6) and ``j = 3``
-(times 6, 4) reach ``T* = 6``; the sums are 11 and 10, so ``j = 3`` wins::
+Worked example (the snippet above, 8 micro-batches; no transfers, no memory limit). Stage 1
+(speed 0.5) on blocks ``[i, 4)`` costs ``f_1 = 8, 6, 4`` for ``i = 1, 2, 3``, so ``H(1, i) = 8, 6,
+4``; ``H(0, 0) = min(max(4, 8), max(5, 6), max(6, 4)) = 6``. Both ``j = 2`` (times 5, 6) and ``j =
+3`` (times 6, 4) reach ``T* = 6``; their steps are ``11 + 7 * 6`` and ``10 + 7 * 6``, so ``j = 3``
+wins; a bottleneck of 8 (``j = 1``: times 4, 8) would cost ``12 + 7 * 8``::
 
     blocks (s at speed 1)   4   1   1   2
     stage 0, speed 1      [ 0   1   2 ]          6 s
-    stage 1, speed 0.5                [ 3 ]      4 s     bottleneck 6 s
+    stage 1, speed 0.5                [ 3 ]      4 s     bottleneck 6 s, step 52 s
 
 Device order. :func:`partition_stages` keeps the given order (stage ``s`` on ``devices[s]``).
 :func:`partition_stages_best_order` tries every distinct order (identical devices, by
 :class:`Device` equality, are interchangeable, so ``S! / prod(n_c!)`` orders for class sizes
-``n_c``) and keeps the best by (bottleneck, sum), the first in lexicographic order of classes
+``n_c``) and keeps the best by (step time, bottleneck), the first in lexicographic order of classes
 (numbered by first appearance) on ties. Order matters through speeds, memory (``k_s`` falls along
 the pipeline under 1F1B) and links that depend on the two devices (same node or not). It refuses
 more than ``max_orders`` orders (default 5040 = 7!; each order costs one DP): group devices into
@@ -77,6 +90,9 @@ __all__ = ["Block", "Device", "Partition", "PartitionError", "LinkSpec", "Inflig
            "inflight_1f1b", "inflight_gpipe", "partition_stages", "partition_stages_best_order"]
 
 InflightFn = Callable[[int, int, int], int]
+#: Step times within this relative distance of the least are ties (the same times summed in
+#: another order differ in their last bits): the least bottleneck among them wins.
+STEP_RTOL = 1e-9
 LinkSpec = Union[Link, Sequence[Link], Callable[["Device", "Device"], Link]]
 
 
@@ -98,13 +114,16 @@ def inflight_gpipe(stage: int, stages: int, microbatches: int) -> int:
 class Block:
     """One block of the model. time: seconds forward + backward per micro-batch on a speed-1 device;
     out_bytes: bytes crossing a cut right after it; param_bytes: weights + gradients + optimizer
-    state; act_bytes: activation bytes kept for backward per micro-batch."""
+    state; act_bytes: activation bytes kept for backward per micro-batch; comm: seconds per
+    micro-batch of the block's own communication (a spatial grid's halo exchanges), which a
+    faster device does not shorten."""
 
     time: float
     out_bytes: float = 0.0
     param_bytes: float = 0.0
     act_bytes: float = 0.0
     name: str = ""
+    comm: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -122,8 +141,9 @@ class Device:
 @dataclass(frozen=True)
 class Partition:
     """A stage partition. Stage ``s`` runs blocks ``range(bounds[s], bounds[s + 1])`` on
-    ``devices[s]`` (= input device ``order[s]``); per stage: ``compute`` + ``transfer`` = ``times``
-    (seconds per micro-batch), ``memory`` (bytes) with ``inflight`` micro-batches' activations."""
+    ``devices[s]`` (= input device ``order[s]``); per stage: ``compute`` (its blocks' work and
+    ``comm``) + ``transfer`` (to and from the neighbouring stages) = ``times`` (seconds per
+    micro-batch), ``memory`` (bytes) with ``inflight`` micro-batches' activations."""
 
     bounds: tuple[int, ...]
     order: tuple[int, ...]
@@ -165,7 +185,7 @@ def _check_inputs(blocks: Sequence[Block], devices: Sequence[Device], microbatch
     if not devices:
         raise PartitionError("devices is empty; a pipeline needs at least one stage")
     for b, blk in enumerate(blocks):
-        for attr in ("time", "out_bytes", "param_bytes", "act_bytes"):
+        for attr in ("time", "out_bytes", "param_bytes", "act_bytes", "comm"):
             v = getattr(blk, attr)
             if not isinstance(v, (int, float, np.number)) or not math.isfinite(v) or v < 0:
                 raise PartitionError(f"blocks[{b}].{attr} is {v!r}; it must be a finite "
@@ -228,6 +248,7 @@ class _Tables:
     def __init__(self, blocks: Sequence[Block]) -> None:
         self.n = len(blocks)
         self.time = _segments(np.array([b.time for b in blocks], dtype=np.float64))
+        self.comm = _segments(np.array([b.comm for b in blocks], dtype=np.float64))
         self.param = _segments(np.array([b.param_bytes for b in blocks], dtype=np.float64))
         self.act = _segments(np.array([b.act_bytes for b in blocks], dtype=np.float64))
         self.out = np.array([b.out_bytes for b in blocks], dtype=np.float64)
@@ -244,6 +265,40 @@ def _extra(extra: Optional[np.ndarray], n: int) -> np.ndarray:
     return e
 
 
+def _least_sums(f: np.ndarray, limits: np.ndarray) -> np.ndarray:
+    """``G_T(0, 0)`` of the module docstring for each ``T`` in ``limits`` ([C] -> [C]): the least
+    sum of stage times over splits whose every stage takes at most ``T``."""
+    S, n = f.shape[0], f.shape[1] - 1
+    G = np.full((len(limits), n + 1), np.inf)
+    G[:, n] = 0.0
+    for s in range(S - 1, -1, -1):
+        G = np.where(f[s][None] <= limits[:, None, None], f[s][None] + G[:, None, :],
+                     np.inf).min(axis=2)
+    return G[:, 0]
+
+
+def _best_bottleneck(f: np.ndarray, tstar: float, m: int, batch: int = 32) -> float:
+    """The least ``T`` whose ``G_T(0, 0) + (m - 1) T`` is within :data:`STEP_RTOL` of the least
+    over the stage times ``T >= T*`` in ``f``: the bottleneck of the split with the least step
+    time (module docstring)."""
+    cands = np.unique(f[np.isfinite(f) & (f >= tstar)])      # sorted; T* is among them
+    floor = _least_sums(f, np.array([np.inf]))[0]             # no split sums to less
+    best = math.inf
+    seen: list[tuple[np.ndarray, np.ndarray]] = []
+    for start in range(0, len(cands), batch):
+        ts = cands[start:start + batch]
+        # No later T can change the pick: their steps are at least this bound, so the best so
+        # far stays within the tolerance of the least (the first T within it is kept).
+        if (floor + (m - 1) * ts[0]) * (1 + STEP_RTOL) >= best:
+            break
+        steps = _least_sums(f, ts) + (m - 1) * ts
+        seen.append((ts, steps))
+        best = min(best, float(steps.min()))
+    ts = np.concatenate([t for t, _ in seen])
+    steps = np.concatenate([st for _, st in seen])
+    return float(ts[np.argmax(steps <= best * (1 + STEP_RTOL))])   # the first such T
+
+
 def _solve(tab: _Tables, devices: Sequence[Device], order: tuple[int, ...], links: list[Link],
            ks: list[int], m: int, extra: Optional[np.ndarray] = None) -> Optional[Partition]:
     """The DP of the module docstring for one device order; None when nothing fits in memory."""
@@ -253,7 +308,7 @@ def _solve(tab: _Tables, devices: Sequence[Device], order: tuple[int, ...], link
     xfer = np.zeros((S, n + 1, n + 1))
     mem = np.empty((S, n + 1, n + 1))
     for s, d in enumerate(devices):
-        comp[s] = (tab.time if extra is None else tab.time + extra) / d.speed
+        comp[s] = (tab.time if extra is None else tab.time + extra) / d.speed + tab.comm
         if s > 0:   # cut before block i carries out_bytes[i - 1]; i = 0 is never used here
             xfer[s] += (2 * (links[s - 1].alpha + links[s - 1].beta * np.r_[0.0, tab.out]))[:, None]
         if s < S - 1:
@@ -270,11 +325,12 @@ def _solve(tab: _Tables, devices: Sequence[Device], order: tuple[int, ...], link
     tstar = H[0]
     if not math.isfinite(tstar):
         return None
+    limit = _best_bottleneck(f, tstar, m)
     G = np.full(n + 1, np.inf)
     G[n] = 0.0
     choice = np.zeros((S, n + 1), dtype=np.int64)
     for s in range(S - 1, -1, -1):
-        g = np.where(f[s] <= tstar, f[s] + G[None, :], np.inf)
+        g = np.where(f[s] <= limit, f[s] + G[None, :], np.inf)
         choice[s] = np.argmin(g, axis=1)             # first minimum: the smallest j
         G = g[np.arange(n + 1), choice[s]]
     bounds, i = [0], 0
@@ -322,13 +378,14 @@ def partition_stages(blocks: Sequence[Block], devices: Sequence[Device],
                      link: LinkSpec = Link(), microbatches: int = 1,
                      inflight: InflightFn = inflight_1f1b,
                      extra: Optional[np.ndarray] = None) -> Partition:
-    """The exact least-bottleneck contiguous split of ``blocks`` over ``devices``, in their order.
+    """The contiguous split of ``blocks`` over ``devices``, in their order, with the least
+    pipeline step time (exact; the module docstring has the model and the tie-breaks).
 
     link: one :class:`Link` for every stage pair, a list of ``S - 1`` (pair ``s`` joins stages
     ``s`` and ``s + 1``), or a function ``(Device, Device) -> Link``. microbatches: ``m``.
     inflight: ``(stage, stages, m) -> k_s``. extra: ``[B + 1, B + 1]`` seconds a stage over
     blocks ``[i, j)`` adds (module docstring). Raises :class:`PartitionError` on invalid input or
-    when no split fits in memory. See the module docstring for the model and the tie-breaks.
+    when no split fits in memory.
     """
     _check_inputs(blocks, devices, microbatches)
     m, S = int(microbatches), len(devices)
@@ -365,7 +422,7 @@ def partition_stages_best_order(blocks: Sequence[Block], devices: Sequence[Devic
                                 microbatches: int = 1, inflight: InflightFn = inflight_1f1b,
                                 max_orders: int = 5040,
                                 extra: Optional[np.ndarray] = None) -> Partition:
-    """The exact least-bottleneck split over every distinct order of ``devices`` (see the module).
+    """The least-step-time split over every distinct order of ``devices`` (see the module).
 
     ``Partition.order[s]`` is the index in ``devices`` of the device that runs stage ``s``.
     ``link`` is one :class:`Link` or a function of the two devices (a per-pair list would be tied
@@ -403,7 +460,8 @@ def partition_stages_best_order(blocks: Sequence[Block], devices: Sequence[Devic
         devs = [devices[k] for k in order]
         p = _solve(tab, devs, tuple(order), _links(link, devs), ks, m, ex)
         if p is not None and (best is None
-                              or (p.bottleneck, sum(p.times)) < (best.bottleneck, sum(best.times))):
+                              or (p.step_time(), p.bottleneck) < (best.step_time(),
+                                                                  best.bottleneck)):
             best = p
     if best is None:
         raise _infeasible(blocks, devices, lambda s: ks[s], any_order=True)

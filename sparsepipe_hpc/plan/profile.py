@@ -50,6 +50,7 @@ the fit is proportional (``a = 0``). Predictions are clamped at 0.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -146,6 +147,9 @@ class ModelProfile:
     notes: dict[str, Any] = field(default_factory=dict)
     kmaps: tuple[KmapProfile, ...] = ()
 
+    def __post_init__(self) -> None:
+        _check_profile(self)
+
     def rebuild_costs(self, voxels: float) -> np.ndarray:
         """``[B + 1, B + 1]`` seconds: entry ``[i, j]`` is what a stage over blocks ``[i, j)``
         spends rebuilding kernel maps made before block ``i`` (each once), on ``voxels``."""
@@ -182,10 +186,60 @@ class ModelProfile:
                        kmaps=tuple(KmapProfile(k["key"], int(k["creator"]),
                                                tuple(k["users"]), Fit(**k["build"]))
                                    for k in d.get("kmaps", [])))
+        except ProfileError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"not a model profile ({type(e).__name__}: {e}); write one with "
                                f"ModelProfile.to_json or python -m sparsepipe_hpc.plan "
                                f"--profile-out FILE") from None
+
+
+def _check_profile(p: ModelProfile) -> None:
+    """Every figure a plan rests on is a finite number in its range (ProfileError naming it): a
+    NaN time would read as 0 s through ``max(0, nan)``, a zero stride divides by zero."""
+    def bad(field: str, value: Any, rule: str) -> ProfileError:
+        return ProfileError(f"profile {p.name!r}: {field} is {value!r}; it must be {rule}")
+
+    def number(field: str, value: Any, low: float = -math.inf, above: bool = False) -> None:
+        ok = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) \
+            and math.isfinite(value) and (value > low if above else value >= low)
+        if not ok:
+            raise bad(field, value, "a finite number" + (f" {'>' if above else '>='} {low:g}"
+                                                          if low > -math.inf else ""))
+
+    def whole(field: str, value: Any, low: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise bad(field, value, f"a whole number >= {low}")
+
+    number("voxels_per_sample", p.voxels_per_sample, 0.0, above=True)
+    if len(p.extent) != 3:
+        raise bad("extent", p.extent, "three whole numbers >= 1 (x, y, z voxels)")
+    for a, e in enumerate(p.extent):
+        whole(f"extent[{a}]", e, 1)
+    whole("total_stride", p.total_stride, 1)
+    whole("in_channels", p.in_channels, 1)
+    for b, blk in enumerate(p.blocks):
+        at = f"blocks[{b}] ({blk.name!r})"
+        for name in ("forward", "backward", "act_bytes", "out_bytes"):
+            fit = getattr(blk, name)
+            number(f"{at}.{name}.a", fit.a)
+            number(f"{at}.{name}.b", fit.b)
+        for name in ("c", "a", "b"):
+            number(f"{at}.split.{name}", getattr(blk.split, name))
+        number(f"{at}.param_bytes", blk.param_bytes, 0.0)
+        number(f"{at}.update", blk.update, 0.0)
+        if len(blk.halo) != 3:
+            raise bad(f"{at}.halo", blk.halo, "three numbers >= 0 (bytes per voxel layer)")
+        for a, h in enumerate(blk.halo):
+            number(f"{at}.halo[{a}]", h, 0.0)
+        whole(f"{at}.exchanges", blk.exchanges, 0)
+    for k, km in enumerate(p.kmaps):
+        number(f"kmaps[{k}].build.a", km.build.a)
+        number(f"kmaps[{k}].build.b", km.build.b)
+        for u in (km.creator, *km.users):
+            if not 0 <= u < len(p.blocks):
+                raise bad(f"kmaps[{k}] ({km.key!r}) block", u,
+                          f"a block index in 0..{len(p.blocks) - 1}")
 
 
 def _tensor(e: Any) -> Optional[torch.Tensor]:

@@ -17,9 +17,11 @@ Predicted step time of a candidate (every term in seconds; formulas in
     local batch     n = batch_size / R samples per replica, in m micro-batches of
                     ceil(n / m) samples: V = ceil(n / m) * voxels_per_sample input voxels
     busiest box     v = V * largest_share(grid, imbalance)
-    block b         time_b = fwd_b(v) + bwd_b(v) + halo_time(halo_bytes(h_b, V, E, grid))
+    block b         time_b = fwd_b(v) + bwd_b(v)
                     + [G > 1] split_b(v, surface_voxels(V, E, grid))   (halo plans, maps and
-                    halo pairs; :mod:`sparsepipe_hpc.plan.split`)
+                    halo pairs; :mod:`sparsepipe_hpc.plan.split`), at the device's speed;
+                    comm_b = halo_time(halo_bytes(h_b, V, E, grid)), the link's time on any
+                    device
     stage [i, j)    + the kernel maps made before block i that it uses, rebuilt once per
                     micro-batch (ModelProfile.rebuild_costs at v voxels; pipelines only)
                     out_bytes_b(V) * share, act_bytes_b(v), param_bytes_b * optimizer_factor
@@ -27,8 +29,9 @@ Predicted step time of a candidate (every term in seconds; formulas in
                     core_share(busy) = min(1, cores / busy) of its speed, busy = the plan's
                     ranks on the most crowded node * (1 - bubble_fraction(S, m)): ranks that
                     wait in the pipeline bubble yield their core (Machine.core_share)
-    partition       the exact least-bottleneck split (partition_stages) over the S stage devices
-                    with the stage links and the schedule's in-flight micro-batches
+    partition       the split with the least pipeline step time (partition_stages, exact) over
+                    the S stage devices with the stage links and the schedule's in-flight
+                    micro-batches
     step            sum_s t_s + (m - 1) max_s t_s + max_s ring_allreduce(params_s, R * G ranks)
                     + max_s update_s / speed_s    (the optimizer step, once per step)
 
@@ -196,8 +199,9 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
              for b in profile.blocks]
     surface = surface_voxels(V, ext, g)
     splits = [b.split(v, surface) if G > 1 else 0.0 for b in profile.blocks]
-    blocks = [Block(time=b.time(v) + h + x, out_bytes=b.out_bytes(V) * share,
-                    param_bytes=b.param_bytes * factor, act_bytes=b.act_bytes(v), name=b.name)
+    blocks = [Block(time=b.time(v) + x, out_bytes=b.out_bytes(V) * share,
+                    param_bytes=b.param_bytes * factor, act_bytes=b.act_bytes(v), name=b.name,
+                    comm=h)
               for b, h, x in zip(profile.blocks, halos, splits)]
     inflight = inflight_gpipe if schedule == "gpipe" else inflight_1f1b
     rebuild = profile.rebuild_costs(v) if stages > 1 else None
@@ -212,7 +216,8 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
         p = partition_stages([Block(time=sum(bl.time for bl in blocks[a:b]),
                                     out_bytes=blocks[b - 1].out_bytes,
                                     param_bytes=sum(bl.param_bytes for bl in blocks[a:b]),
-                                    act_bytes=sum(bl.act_bytes for bl in blocks[a:b]))
+                                    act_bytes=sum(bl.act_bytes for bl in blocks[a:b]),
+                                    comm=sum(bl.comm for bl in blocks[a:b]))
                               for a, b in zip(bounds[:-1], bounds[1:])],
                              devs, links or Link(), micro_batches, inflight,
                              None if rebuild is None else rebuild[np.ix_(bounds, bounds)])
@@ -233,9 +238,9 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
     return Plan(replicas=replicas, stages=stages, grid=g, micro_batches=micro_batches,
                 balance=bal, pipeline_schedule=schedule,
                 step_time=p.step_time() + max(ar) + max(upd), stage_times=p.times,
-                compute=tuple(c - (h + x) / d.speed
+                compute=tuple(c - h - x / d.speed
                               for c, h, x, d in zip(p.compute, halo_s, split_s, devs)),
-                transfer=p.transfer, halo=tuple(h / d.speed for h, d in zip(halo_s, devs)),
+                transfer=p.transfer, halo=tuple(halo_s),
                 allreduce=ar, update=upd, memory=p.memory, voxels_per_rank=v,
                 split=tuple(x / d.speed for x, d in zip(split_s, devs)), core_share=core)
 
@@ -247,7 +252,8 @@ def search(profile: ModelProfile, machine: Machine, batch_size: int,
            fixed: Optional[dict[str, Any]] = None, max_batch: int = 256) -> SearchResult:
     """Every candidate of the module docstring on ``ranks`` (default: the machine's), fastest
     first. fixed: layout values to keep (``replicas``, ``stages``, ``grid``, ``micro_batches``,
-    ``balance``), e.g. the options a user set. Raises :class:`SearchError` when none fits."""
+    ``balance``, which also fixes ``stages``), e.g. the options a user set. Raises
+    :class:`SearchError` when none fits."""
     n = ranks or machine.ranks
     if n < 1 or n > machine.ranks:
         raise SearchError(f"ranks is {n}; it must be in 1..{machine.ranks} (the machine's ranks)")
@@ -256,6 +262,11 @@ def search(profile: ModelProfile, machine: Machine, batch_size: int,
     if optimizer not in OPTIMIZER_FACTOR:
         raise SearchError(f"optimizer {optimizer!r} must be one of {sorted(OPTIMIZER_FACTOR)}")
     fixed = dict(fixed or {})
+    if fixed.get("balance") is not None:  # a fixed partition fixes the stage count
+        nb = len(fixed["balance"])
+        if fixed.setdefault("stages", nb) != nb:
+            raise SearchError(f"balance {tuple(fixed['balance'])} names {nb} stage(s) but "
+                              f"stages is {fixed['stages']}; give one block count per stage")
     ext = tuple(extent or profile.extent)
     plans: list[Plan] = []
     rejected: dict[str, int] = {}
