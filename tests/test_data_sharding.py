@@ -124,3 +124,26 @@ def test_peek_names_the_step_iteration_yields_next(replicas):
         resumed.load_state_dict({"epoch": 1, "step_in_epoch": 2})
         assert resumed.peek() == (next(iter(resumed)), 1)
         assert resumed.peek() == (resumed.shard(resumed.global_batch(2, 0)), 2)
+
+
+@pytest.mark.parametrize("batch_len, replicas, m", [(6, 2, 2), (10, 3, 3), (7, 3, 1), (16, 4, 3),
+                                                     (9, 2, 4), (4, 4, 1)])
+def test_replicas_share_every_global_micro_batch(batch_len, replicas, m):
+    from sparsepipe_hpc.data.sharding import local_micro_bounds, replica_micro_bounds
+    from sparsepipe_hpc.pipeline.executor import sample_bounds
+    parts = replica_micro_bounds(batch_len, replicas, m)
+    # Together, the replicas' micro-batch i is one process's micro-batch i, in replica order.
+    for i, (lo, hi) in enumerate(sample_bounds(batch_len, m)):
+        assert parts[0][i][0] == lo
+        assert all(parts[r][i][1] == parts[r + 1][i][0] for r in range(replicas - 1))
+        assert parts[-1][i][1] == hi
+    sizes = [sum(b - a for a, b in p) for p in parts]
+    assert sum(sizes) == batch_len and max(sizes) - min(sizes) <= 1
+    if m == 1:  # the contiguous shards of one micro-batch
+        q, rem = divmod(batch_len, replicas)
+        assert sizes == [q + (r < rem) for r in range(replicas)]
+    for r in range(replicas):
+        shard = ShardedBatches(100, batch_len, replicas=replicas, rank=r, shuffle=False,
+                               micro_batches=m).shard(list(range(batch_len)))
+        local = local_micro_bounds(batch_len, replicas, r, m)
+        assert [shard[a:b] for a, b in local] == [list(range(a, b)) for a, b in parts[r]]

@@ -563,6 +563,15 @@ def test_a_batch_too_small_for_batchnorm_is_a_setup_error_naming_the_fix(tmp_pat
                                          r"voxels .* got 1 .*training split indices \[\d\]\) are "
                                          r"too small .* use a larger --batch-size"):
         Trainer(cfg, MPI.COMM_SELF, log=None).run()
+    # With stages the stage that fails is alone (the others wait for its messages): the job
+    # aborts, with the same message, instead of hanging.
+    from test_mpi import mpi_env, mpirun_command, run_bounded
+    proc = run_bounded(mpirun_command(2) + [
+        sys.executable, "-m", "sparsepipe_hpc.train", "--data", str(root), "--out",
+        str(tmp_path / "staged"), "--width", "4", "--depth", "2", "--batch-size", "1", "--steps",
+        "1", "--no-progress", "--stages", "2"], 120, env=repo_env(mpi_env()))
+    assert proc.returncode != 0
+    assert "too small for this model" in proc.stderr and "aborting all 2 ranks" in proc.stderr
     fewer = parse_config(["--data", str(root), "--out", str(tmp_path / "run2"), "--width", "4",
                           "--depth", "2", "--batch-size", "3", "--steps", "1", "--no-progress"])
     with pytest.raises(SetupError, match=r"the training split .*train.h5.* has 2 sample\(s\), "

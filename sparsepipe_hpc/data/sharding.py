@@ -17,6 +17,18 @@ shards one longer, as ``torch.tensor_split``); replica ``r`` gets shard ``r``::
     step 0 : r0 [7 2]  r1 [9 4]  r2 [0 5]
     step 1 : r0 [8 1]  r1 [3 6]  ...
 
+With ``micro_batches=M`` (a pipeline's, or gradient accumulation's, micro-batches) the step's
+global batch is first cut into ``M`` contiguous global micro-batches, as one process cuts it, and
+each of those into ``replicas`` shards: replica ``r``'s micro-batch ``i`` is its shard of global
+micro-batch ``i``, so the ranks that normalize micro-batch ``i`` together (BatchNorm over the
+replicas) see exactly one process's micro-batch ``i`` (:func:`replica_micro_bounds`). A
+micro-batch's remainder samples go to the replicas in turn, so replica batches differ by at most
+one sample::
+
+    perm   = [7 2 9 4 0 5 | ...]                B = 6, replicas = 2, M = 2
+    global micro-batches [7 2 9] [4 0 5]
+    step 0 : r0 [7 2 | 4]  r1 [9 | 0 5]         (micro-batch sizes r0: 2, 1; r1: 1, 2)
+
 The ragged tail (``n % B`` samples) is dropped with ``drop_last=True`` (training: every step then
 has the same global batch, which keeps the loss scale fixed; a different tail is dropped each
 epoch). With ``drop_last=False`` (evaluation) the last step is short and a replica may get an
@@ -30,7 +42,47 @@ from typing import Iterator, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["ShardedBatches"]
+__all__ = ["ShardedBatches", "replica_micro_bounds", "local_micro_bounds"]
+
+
+def replica_micro_bounds(batch_len: int, replicas: int, micro_batches: int = 1
+                         ) -> list[list[tuple[int, int]]]:
+    """``[replica][micro-batch] -> (lo, hi)``: the ranges of a global batch of ``batch_len``
+    samples each replica takes for each micro-batch (see the module docstring).
+
+    Global micro-batch ``i`` spans one process's ``i``-th contiguous part (sizes differing by at
+    most one, the first ones longer); it is cut into ``replicas`` contiguous shards in replica
+    order, of sizes differing by at most one, the longer shards going to the replicas in turn
+    from where the previous micro-batch's left off. With one micro-batch replica ``r`` gets
+    the ``r``-th contiguous shard (the first ``batch_len % replicas`` one longer)."""
+    if replicas < 1 or micro_batches < 1:
+        raise ValueError(f"need replicas >= 1 and micro_batches >= 1; got {replicas} and "
+                         f"{micro_batches}")
+    out: list[list[tuple[int, int]]] = [[] for _ in range(replicas)]
+    q, rem = divmod(batch_len, micro_batches)
+    lo, turn = 0, 0
+    for i in range(micro_batches):
+        size = q + (1 if i < rem else 0)
+        base, extra = divmod(size, replicas)
+        longer = {(turn + j) % replicas for j in range(extra)}
+        turn = (turn + extra) % replicas
+        for r in range(replicas):
+            hi = lo + base + (1 if r in longer else 0)
+            out[r].append((lo, hi))
+            lo = hi
+    return out
+
+
+def local_micro_bounds(batch_len: int, replicas: int, replica: int, micro_batches: int
+                       ) -> list[tuple[int, int]]:
+    """Replica ``replica``'s micro-batches as ranges into its own part of the global batch
+    (:meth:`ShardedBatches.shard`'s list, its samples renumbered from 0): where a pipeline cuts
+    the replica's batch."""
+    out, lo = [], 0
+    for a, b in replica_micro_bounds(batch_len, replicas, micro_batches)[replica]:
+        out.append((lo, lo + b - a))
+        lo += b - a
+    return out
 
 
 class ShardedBatches:
@@ -42,7 +94,7 @@ class ShardedBatches:
 
     def __init__(self, num_samples: int, batch_size: int, *, replicas: int = 1, rank: int = 0,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = True,
-                 epoch: int = 0) -> None:
+                 epoch: int = 0, micro_batches: int = 1) -> None:
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0; got {num_samples}")
         if replicas < 1 or not 0 <= rank < replicas:
@@ -51,6 +103,9 @@ class ShardedBatches:
         if batch_size < replicas:
             raise ValueError(f"global batch_size {batch_size} is smaller than replicas {replicas}: "
                              "some replica would get no sample; use batch_size >= replicas")
+        if isinstance(micro_batches, bool) or int(micro_batches) != micro_batches \
+                or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a whole number >= 1; got {micro_batches!r}")
         if seed < 0 or epoch < 0:  # the generators' seeds (numpy takes no negative entropy)
             raise ValueError(f"seed and epoch must be >= 0; got seed {seed}, epoch {epoch}")
         if drop_last and num_samples < batch_size:
@@ -64,6 +119,7 @@ class ShardedBatches:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.epoch = int(epoch)
+        self.micro_batches = int(micro_batches)
         self.step_in_epoch = 0
 
     @property
@@ -101,10 +157,17 @@ class ShardedBatches:
         return out
 
     def shard(self, batch: list[int]) -> list[int]:
-        """This replica's contiguous part of a global batch."""
-        q, rem = divmod(len(batch), self.replicas)
-        start = self.rank * q + min(self.rank, rem)
-        return batch[start:start + q + (1 if self.rank < rem else 0)]
+        """This replica's part of a global batch: its shard of each global micro-batch, in
+        micro-batch order (:func:`replica_micro_bounds`; one contiguous part for one)."""
+        return [i for lo, hi in self.micro_bounds(len(batch)) for i in batch[lo:hi]]
+
+    def micro_bounds(self, batch_len: int) -> list[tuple[int, int]]:
+        """This replica's micro-batch ranges into a global batch of ``batch_len`` samples."""
+        return replica_micro_bounds(batch_len, self.replicas, self.micro_batches)[self.rank]
+
+    def local_micro_bounds(self, batch_len: int) -> list[tuple[int, int]]:
+        """:func:`local_micro_bounds` of this replica."""
+        return local_micro_bounds(batch_len, self.replicas, self.rank, self.micro_batches)
 
     def _normalize(self) -> None:
         if self.step_in_epoch >= self.steps_per_epoch:  # a finished epoch resumes at the next

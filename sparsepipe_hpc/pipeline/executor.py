@@ -71,17 +71,28 @@ def sample_bounds(batch_size: int, micro_batches: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def split_batch(x: SparseTensor, micro_batches: int,
-                *payloads: torch.Tensor) -> list[tuple[Any, ...]]:
+def split_batch(x: SparseTensor, micro_batches: int, *payloads: torch.Tensor,
+                bounds: Optional[Sequence[tuple[int, int]]] = None) -> list[tuple[Any, ...]]:
     """Split a batch into micro-batches of whole samples, batch indices renumbered from 0.
 
     Returns, per micro-batch, ``(x_i, *payloads_i)``: the rows of samples [lo, hi) in their
-    original order; per-voxel payloads ``[N, ...]`` (labels) follow their rows. No context or
-    kernel maps are carried over (attach them afterwards, e.g. with ParallelContext.distribute).
+    original order; per-voxel payloads ``[N, ...]`` (labels) follow their rows. ``bounds``: the
+    ``[lo, hi)`` sample ranges, ``micro_batches`` of them covering the batch in order (default
+    :func:`sample_bounds`; a replica's come from
+    :func:`sparsepipe_hpc.data.sharding.local_micro_bounds`). No context or kernel maps are
+    carried over (attach them afterwards, e.g. with ParallelContext.distribute).
     """
+    if bounds is None:
+        bounds = sample_bounds(x.batch_size, micro_batches)
+    elif len(bounds) != micro_batches or [lo for lo, _ in bounds] != \
+            [0, *(hi for _, hi in bounds[:-1])] or bounds[-1][1] != x.batch_size \
+            or any(hi <= lo for lo, hi in bounds):
+        raise PipelineError(f"micro-batch bounds {list(bounds)} must be {micro_batches} "
+                            f"non-empty ranges covering the batch's {x.batch_size} samples "
+                            f"in order")
     out = []
     b = x.coords[:, 0]
-    for lo, hi in sample_bounds(x.batch_size, micro_batches):
+    for lo, hi in bounds:
         rows = (b >= lo) & (b < hi)
         coords = x.coords[rows].clone()
         coords[:, 0] -= lo

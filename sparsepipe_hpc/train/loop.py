@@ -186,7 +186,7 @@ class Trainer:
                              f"{len(self.train_set)} or add samples")
         self.batches = agree(comm, lambda: ShardedBatches(
             len(self.train_set), cfg.batch_size, replicas=self.ctx.num_replicas,
-            rank=self.ctx.replica, seed=cfg.seed))
+            rank=self.ctx.replica, seed=cfg.seed, micro_batches=cfg.micro_batches))
         self.total_steps = cfg.steps if cfg.steps else cfg.epochs * self.batches.steps_per_epoch
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, LrSchedule(cfg.schedule, self.total_steps, cfg.warmup))
@@ -327,13 +327,17 @@ class Trainer:
                     batch_size=self.cfg.batch_size, model=self.model, optimizer=self.optimizer,
                     reducer=self.reducer, precision=self.precision)
         except BatchNormError as e:
-            if self.layout.stages > 1:  # one stage's ranks alone: the abort hook ends the job
-                raise
+            why = (f"step {self.step + 1}: {e}; its samples (training split indices "
+                   f"{sorted(int(i) for i in indices)}"
+                   f"{' on this replica' if self.layout.replicas > 1 else ''}) are too small "
+                   f"for this model: use a larger --batch-size, a smaller --voxel-size or a "
+                   f"smaller --depth, or remove such samples")
+            if self.layout.stages > 1:
+                # One stage's ranks alone, while the others wait for their messages: not an
+                # agreed error but an abort (the entry point's hook ends the job with this).
+                raise BatchNormError(why) from None
             # Every rank shares the statistics, so every rank raises this, together.
-            raise SetupError(f"step {self.step + 1}: {e}; its samples (training split indices "
-                             f"{sorted(int(i) for i in indices)}) are too small for this model: "
-                             f"use a larger --batch-size, a smaller --voxel-size or a smaller "
-                             f"--depth, or remove such samples") from None
+            raise SetupError(why) from None
         self.scheduler.step()
         return share, n_local
 

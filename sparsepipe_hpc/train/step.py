@@ -20,12 +20,14 @@ steps the learning-rate scheduler and all-reduces the shares for its report.
 
 Pipelined (``--stages``, ``--micro-batches``): each rank runs its stage's blocks
 (:class:`~sparsepipe_hpc.pipeline.runner.Pipeline`) on M whole-sample micro-batches of its
-replica's batch; the last stage holds the loss shares, stage 0 counts the voxels, each stage
-all-reduces and steps its own parameters. BatchNorm normalizes per micro-batch (GPipe's
-semantics: the run equals one process with the same ``--micro-batches``); its running statistics
-take one update per micro-batch, or with ``--deferred-bn`` one per mini-batch from all its
-micro-batches (:class:`sparsepipe_hpc.nn.layers.BatchNorm`). Evaluation runs the stages forward,
-one micro-batch per batch.
+replica's batch, its shard of each global micro-batch (:mod:`sparsepipe_hpc.data.sharding`: the
+replicas' micro-batches ``i`` together are one process's micro-batch ``i``); the last stage holds
+the loss shares, stage 0 counts the voxels, each stage all-reduces and steps its own parameters.
+BatchNorm normalizes per micro-batch (GPipe's semantics: the run equals one process with the same
+``--micro-batches``); its running statistics take one update per micro-batch, or with
+``--deferred-bn`` one per mini-batch from all its micro-batches
+(:class:`sparsepipe_hpc.nn.layers.BatchNorm`). Evaluation runs the stages forward, one
+micro-batch per batch.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import torch.nn.functional as F
 from sparsepipe_hpc.data.loader import Batch
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.gradients import GradientReducer
-from sparsepipe_hpc.pipeline.executor import sample_bounds, split_batch
+from sparsepipe_hpc.data.sharding import local_micro_bounds
+from sparsepipe_hpc.pipeline.executor import split_batch
 from sparsepipe_hpc.pipeline.runner import Pipeline
 from sparsepipe_hpc.train.device import Precision
 from sparsepipe_hpc.tracing import span
@@ -92,11 +95,18 @@ def pipeline_step(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: bo
     (first stage) and targets (last stage) move to the pipeline's device.
     """
     m = pipe.micro_batches
-    parts = split_batch(batch.x, m, batch.labels) if seg else split_batch(batch.x, m)
+    # This replica's shard of each global micro-batch (as ShardedBatches(micro_batches=m) cut it).
+    bounds = local_micro_bounds(batch_size, ctx.num_replicas, ctx.replica, m)
+    if bounds[-1][1] != batch.x.batch_size:
+        raise ValueError(f"pipeline_step: the batch holds {batch.x.batch_size} samples but "
+                         f"replica {ctx.replica} of {ctx.num_replicas} holds {bounds[-1][1]} of "
+                         f"a global batch of {batch_size} in {m} micro-batches; pass its "
+                         f"ShardedBatches(micro_batches={m}) shard")
+    parts = split_batch(batch.x, m, *([batch.labels] if seg else []), bounds=bounds)
     inputs, contexts, targets, n_local = [], [], [], 0
     y: Any
     with span("distribute", "input"):
-        for part, (lo, hi) in zip(parts, sample_bounds(batch.x.batch_size, m)):
+        for part, (lo, hi) in zip(parts, bounds):
             if seg:
                 x, y = ctx.distribute(part[0], part[1], align=stride)
             else:

@@ -6,9 +6,10 @@ a spatial grid) through the executor and compares loss, parameter gradients (aft
 all-reduce) and BatchNorm running statistics.
 
 BatchNorm in training mode normalizes each micro-batch by its own statistics (GPipe's semantics),
-so the training-mode oracle runs the serial model on the same micro-batches (micro-batch i of the
-global batch = every replica's micro-batch i) and accumulates; the eval-mode test compares with
-the plain unpipelined full-batch step (micro-batching is then invisible).
+so the training-mode oracle runs the serial model on one process's micro-batches (the contiguous
+parts of the global batch; every replica's micro-batch i is its shard of part i, as
+``ShardedBatches(micro_batches=m)`` deals them to the trainer) and accumulates; the eval-mode
+test compares with the plain unpipelined full-batch step (micro-batching is then invisible).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
+from sparsepipe_hpc.data.sharding import local_micro_bounds, replica_micro_bounds
 from sparsepipe_hpc.nn import (BatchNorm, SparseResNet, SparseUNet, commit_batchnorm,
                                set_deferred_batchnorm)
 from sparsepipe_hpc.parallel.context import ParallelContext
@@ -87,10 +89,13 @@ def build(name: str):
 
 
 def micro_samples(replicas: int, m: int) -> list[list[list[int]]]:
-    """[replica][micro-batch] -> global sample indices."""
-    per = GLOBAL_BATCH // replicas
-    return [[list(range(r * per + lo, r * per + hi)) for lo, hi in sample_bounds(per, m)]
-            for r in range(replicas)]
+    """[replica][micro-batch] -> global sample indices, as the trainer deals them; together, the
+    replicas' micro-batch i is one process's micro-batch i."""
+    out = [[list(range(lo, hi)) for lo, hi in rs]
+           for rs in replica_micro_bounds(GLOBAL_BATCH, replicas, m)]
+    assert [sorted(sum((out[r][i] for r in range(replicas)), [])) for i in range(m)] == \
+        [list(range(lo, hi)) for lo, hi in sample_bounds(GLOBAL_BATCH, m)]
+    return out
 
 
 def loss_of(task_out, vlab, slab, name, total_voxels, spatial_size=1):
@@ -144,10 +149,10 @@ def _pipelined(comm, model, batch, name, stages, grid, kind, m, backward=True, d
     pipe = Pipeline(model, ctx, balance=",".join(map(str, balance or BALANCE[name][stages])),
                     schedule=kind, micro_batches=m, deferred_bn=deferred_bn,
                     transport=dc.stages)
-    per = GLOBAL_BATCH // layout.replicas
-    xr, vr, sr = select(x, vlab, slab, range(pos.replica * per, (pos.replica + 1) * per))
+    xr, vr, sr = select(x, vlab, slab, sum(micro_samples(layout.replicas, m)[pos.replica], []))
+    local = local_micro_bounds(GLOBAL_BATCH, layout.replicas, pos.replica, m)
     inputs, contexts, labels = [], [], []
-    for (xi, vi), (lo, hi) in zip(split_batch(xr, m, vr), sample_bounds(per, m)):
+    for (xi, vi), (lo, hi) in zip(split_batch(xr, m, vr, bounds=local), local):
         xl, vl = ctx.distribute(xi, vi, align=model.total_stride)
         inputs.append(xl)
         contexts.append(xl.context)

@@ -4,9 +4,8 @@ its checkpoint holds every stage's weights, a resumed run continues it, bad opti
 every rank.
 
 The single-process oracle runs ``--micro-batches m`` on one stage (the same micro-batches, so
-BatchNorm sees the same statistics); only layouts with one replica are compared here (with
-replicas, micro-batch i spans every replica's i-th samples: tests/mpi/test_pipeline.py covers
-that at the executor level). SGD, as in test_train_parallel.py.
+BatchNorm sees the same statistics); with replicas, each holds its shard of every one of those
+micro-batches (``ShardedBatches(micro_batches=m)``). SGD, as in test_train_parallel.py.
 """
 
 from __future__ import annotations
@@ -68,6 +67,33 @@ def test_pipelined_trainer_equals_single_process(comm, shared, tmp_path, kind):
         # The checkpoint (rank 0 writes it) holds every stage's trained weights and buffers.
         saved = ck.load_checkpoint(out / "last.pt")
         assert len(saved["optimizer_stages"]) == stages
+        for k, v in ref.items():
+            assert torch.allclose(saved["model"][k].double(), v.double(), rtol=1e-4,
+                                  atol=1e-5), k
+
+
+# (stages, balance) with replicas filling the world; 6 samples in 2 micro-batches of 3, which 2
+# replicas share unevenly (2 + 1 and 1 + 2 samples).
+REPLICATED = {2: [(1, None)], 3: [(1, None)], 4: [(2, "2,4")]}
+
+
+def test_replicas_with_micro_batches_equal_single_process(comm, shared, tmp_path):
+    """Replicas x micro-batches (one stage or several): the replicas' micro-batch i together is
+    one process's micro-batch i, so the loss curve and the weights equal the single process's
+    with the same --micro-batches (BatchNorm normalizes each over the replicas)."""
+    opts = ("--batch-size", "6", "--micro-batches", "2")
+    single_out = tmp_path / "single"
+    single = Trainer(config(shared, single_out, *opts), MPI.COMM_SELF, log=None)
+    single.run()
+    ref = {k: v.detach().clone() for k, v in single.model.state_dict().items()}
+    for stages, balance in REPLICATED[comm.size]:
+        out = shared / f"replicated-{comm.size}-{stages}"
+        extra = ("--stages", str(stages)) + (("--balance", balance) if balance else ())
+        t = Trainer(config(shared, out, *opts, *extra), comm, log=None)
+        assert t.layout.replicas == comm.size // stages > 1
+        t.run()
+        assert curve(out, comm) == pytest.approx(curve(single_out, MPI.COMM_SELF), rel=1e-5)
+        saved = ck.load_checkpoint(out / "last.pt")
         for k, v in ref.items():
             assert torch.allclose(saved["model"][k].double(), v.double(), rtol=1e-4,
                                   atol=1e-5), k
