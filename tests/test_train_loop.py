@@ -577,3 +577,11 @@ def test_a_batch_too_small_for_batchnorm_is_a_setup_error_naming_the_fix(tmp_pat
     with pytest.raises(SetupError, match=r"the training split .*train.h5.* has 2 sample\(s\), "
                                          r"fewer than one global batch \(--batch-size 3\)"):
         Trainer(fewer, MPI.COMM_SELF, log=None)
+
+
+def test_a_balance_that_does_not_fit_the_model_is_refused_without_a_pipeline(data, tmp_path):
+    """--balance with one stage and one micro-batch builds no pipeline, but a block count that
+    is not the model's is still a mistake to name (it was silently ignored)."""
+    with pytest.raises(SetupError, match="--balance 3 sums to 3 but the model has 6 blocks"):
+        Trainer(tiny(data, tmp_path / "a", "--balance", "3"), MPI.COMM_SELF, log=None)
+    Trainer(tiny(data, tmp_path / "b", "--balance", "6"), MPI.COMM_SELF, log=None).close()

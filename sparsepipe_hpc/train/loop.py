@@ -51,6 +51,7 @@ from sparsepipe_hpc.nn.functional import BatchNormError
 from halo.transport.collectives import allreduce_
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.gradients import GradientReducer
+from sparsepipe_hpc.pipeline.carry import parse_balance
 from sparsepipe_hpc.pipeline.runner import Pipeline
 from sparsepipe_hpc.train import checkpoint as ckpt_io
 from sparsepipe_hpc.train import resume, run_files
@@ -167,6 +168,8 @@ class Trainer:
                                                      deferred_bn=cfg.deferred_bn))
             self.eval_pipe = Pipeline(self.model, self.ctx, cfg.balance, "gpipe", 1,
                                       transport=stages, autocast=amp)
+        elif cfg.balance is not None:  # no pipeline reads it, but it must fit the model
+            agree(comm, lambda: parse_balance(cfg.balance, len(self.model.blocks)))
 
         params = list(self.pipe.parameters() if self.pipe else self.model.parameters())
         self.train_params = params
