@@ -44,12 +44,11 @@ Dynamic programming over suffixes: ``H`` is the least bottleneck of blocks ``i..
     step = min_T  G_T(0, 0) + (m - 1) * T    over the stage times T >= T* that occur in f
 
 The minimum is exact: a split with bottleneck ``T`` and sum ``sigma`` has ``G_T(0, 0) <= sigma``,
-and ``G_T(0, 0) + (m - 1) T`` is never below the step time of the split that attains it. The
-candidates are taken in increasing order, in batches, and the scan stops once ``G_inf(0, 0) + (m -
-1) T`` (a bound no later candidate can beat) reaches the best step found; with many micro-batches
-that is at ``T*`` or soon after, so the split is the least-bottleneck one unless fewer
-micro-batches make a slower stage worth a shorter fill (with one, the stages run one after the
-other and the least sum decides). ``O(S * B^2)`` per candidate. Ties are
+and ``G_T(0, 0) + (m - 1) T`` is never below the step time of the split that attains it. Each
+candidate costs ``O(S * B^2)``; the search evaluates them in batches spread over the sorted
+candidates and skips the runs between evaluated ones that a bound rules out (``G_T`` never grows
+with ``T``: :func:`_best_bottleneck`). With many micro-batches the least bottleneck wins or
+nearly; with one the stages run one after the other and the least sum decides. Ties are
 broken in this order, deterministically: (1) least step time, where steps within a relative
 :data:`STEP_RTOL` of the least tie (with one micro-batch and equal devices every split has the
 same sum, up to rounding); (2) least bottleneck; (3) lexicographically smallest boundaries (the
@@ -69,8 +68,8 @@ wins; a bottleneck of 8 (``j = 1``: times 4, 8) would cost ``12 + 7 * 8``::
 Device order. :func:`partition_stages` keeps the given order (stage ``s`` on ``devices[s]``).
 :func:`partition_stages_best_order` tries every distinct order (identical devices, by
 :class:`Device` equality, are interchangeable, so ``S! / prod(n_c!)`` orders for class sizes
-``n_c``) and keeps the best by (step time, bottleneck), the first in lexicographic order of classes
-(numbered by first appearance) on ties. Order matters through speeds, memory (``k_s`` falls along
+``n_c``) and keeps the best by the same rules (steps within :data:`STEP_RTOL` tie, then the least
+bottleneck), the first in lexicographic order of classes (numbered by first appearance) on ties. Order matters through speeds, memory (``k_s`` falls along
 the pipeline under 1F1B) and links that depend on the two devices (same node or not). It refuses
 more than ``max_orders`` orders (default 5040 = 7!; each order costs one DP): group devices into
 classes or fix the order.
@@ -277,26 +276,41 @@ def _least_sums(f: np.ndarray, limits: np.ndarray) -> np.ndarray:
     return G[:, 0]
 
 
-def _best_bottleneck(f: np.ndarray, tstar: float, m: int, batch: int = 32) -> float:
+def _best_bottleneck(f: np.ndarray, tstar: float, m: int, batch: int = 64) -> float:
     """The least ``T`` whose ``G_T(0, 0) + (m - 1) T`` is within :data:`STEP_RTOL` of the least
     over the stage times ``T >= T*`` in ``f``: the bottleneck of the split with the least step
-    time (module docstring)."""
-    cands = np.unique(f[np.isfinite(f) & (f >= tstar)])      # sorted; T* is among them
-    floor = _least_sums(f, np.array([np.inf]))[0]             # no split sums to less
-    best = math.inf
-    seen: list[tuple[np.ndarray, np.ndarray]] = []
-    for start in range(0, len(cands), batch):
-        ts = cands[start:start + batch]
-        # No later T can change the pick: their steps are at least this bound, so the best so
-        # far stays within the tolerance of the least (the first T within it is kept).
-        if (floor + (m - 1) * ts[0]) * (1 + STEP_RTOL) >= best:
+    time (module docstring).
+
+    A search over the sorted candidates, ``batch`` at a time, that skips a run of them it can
+    bound: ``G_T`` never grows with ``T``, so between evaluated candidates ``a < b`` every step
+    is at least ``G_b + (m - 1) T_{a+1}``. A run is skipped where that bound is above the
+    tolerance of the least step found (nothing in it is a tie or better) or, after the pick so
+    far, where nothing in it could be low enough to make the pick no longer a tie."""
+    ts = np.unique(f[np.isfinite(f) & (f >= tstar)])       # sorted; T* first, no limit last
+    n = len(ts)
+    sums = np.full(n, np.nan)                                # G_T(0, 0) where evaluated
+
+    def evaluate(lo: int, hi: int) -> None:                  # up to `batch` spread over lo..hi
+        idx = np.unique(np.linspace(lo, hi, min(batch, hi - lo + 1)).round().astype(np.int64))
+        sums[idx] = _least_sums(f, ts[idx])
+
+    evaluate(0, n - 1)
+    while True:
+        done = np.flatnonzero(~np.isnan(sums))
+        steps = sums[done] + (m - 1) * ts[done]
+        tie = float(steps.min()) * (1 + STEP_RTOL)
+        k = int(np.argmax(steps <= tie))                     # the first within the tolerance
+        pick, pick_step = int(done[k]), float(steps[k])
+        for a, b in zip(done[:-1].tolist(), done[1:].tolist()):
+            if b - a < 2:
+                continue
+            low = sums[b] + (m - 1) * ts[a + 1]
+            if low > tie or (a >= pick and low * (1 + STEP_RTOL) >= pick_step):
+                continue
+            evaluate(a + 1, b - 1)
             break
-        steps = _least_sums(f, ts) + (m - 1) * ts
-        seen.append((ts, steps))
-        best = min(best, float(steps.min()))
-    ts = np.concatenate([t for t, _ in seen])
-    steps = np.concatenate([st for _, st in seen])
-    return float(ts[np.argmax(steps <= best * (1 + STEP_RTOL))])   # the first such T
+        else:
+            return float(ts[pick])
 
 
 def _solve(tab: _Tables, devices: Sequence[Device], order: tuple[int, ...], links: list[Link],
@@ -450,7 +464,7 @@ def partition_stages_best_order(blocks: Sequence[Block], devices: Sequence[Devic
     members = [[k for k, c in enumerate(classes) if c == cls] for cls in range(len(kinds))]
     tab = _Tables(blocks)
     ex = None if extra is None else _extra(extra, len(blocks))
-    best: Optional[Partition] = None
+    found: list[Partition] = []
     for perm in _orders(classes):
         seen = [0] * len(kinds)
         order = []
@@ -459,10 +473,11 @@ def partition_stages_best_order(blocks: Sequence[Block], devices: Sequence[Devic
             seen[c] += 1
         devs = [devices[k] for k in order]
         p = _solve(tab, devs, tuple(order), _links(link, devs), ks, m, ex)
-        if p is not None and (best is None
-                              or (p.step_time(), p.bottleneck) < (best.step_time(),
-                                                                  best.bottleneck)):
-            best = p
-    if best is None:
+        if p is not None:
+            found.append(p)
+    if not found:
         raise _infeasible(blocks, devices, lambda s: ks[s], any_order=True)
-    return best
+    # The tie-breaks of one order across orders: steps within STEP_RTOL of the least tie, then
+    # the least bottleneck, then the first order.
+    tie = min(p.step_time() for p in found) * (1 + STEP_RTOL)
+    return min((p for p in found if p.step_time() <= tie), key=lambda p: p.bottleneck)
