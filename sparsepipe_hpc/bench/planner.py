@@ -151,23 +151,22 @@ def _inputs(coords: Any, shape: Any, plan: tuple[int, int, tuple[int, int, int],
             align: int) -> tuple[float, float]:
     """(voxels per sample, imbalance) the plan's busiest rank sees in the fixed batch.
 
-    Replica ``r`` gets samples ``[r L, (r + 1) L)`` (contiguous, as the trainer shards), cut into
-    ``m`` micro-batches of whole samples; each micro-batch is cut into boxes on its own.
+    Replica ``r`` takes its shard of each of the ``m`` global micro-batches, as the trainer's
+    ``ShardedBatches(micro_batches=m)`` deals them (:func:`replica_micro_bounds`); each
+    micro-batch is cut into boxes on its own.
     """
-    from sparsepipe_hpc.pipeline.executor import sample_bounds
+    from sparsepipe_hpc.data.sharding import replica_micro_bounds
     from sparsepipe_hpc.plan.split import box_imbalance
 
     R, _, g, m = plan
-    local = BATCH // R
     b = coords[:, 0]
     vps, imb = 0.0, 1.0
-    for r in range(R):
-        mine = (b >= r * local) & (b < (r + 1) * local)
-        vps = max(vps, int(mine.sum()) / local)
-        for lo, hi in sample_bounds(local, m):
-            part = (b >= r * local + lo) & (b < r * local + hi)
-            if any(x > 1 for x in g):
-                imb = max(imb, box_imbalance(coords[part], shape, g, align))
+    for ranges in replica_micro_bounds(BATCH, R, m):
+        parts = [(b >= lo) & (b < hi) for lo, hi in ranges]
+        samples = sum(hi - lo for lo, hi in ranges)
+        vps = max(vps, sum(int(p.sum()) for p in parts) / samples)
+        if any(x > 1 for x in g):
+            imb = max([imb] + [box_imbalance(coords[p], shape, g, align) for p in parts])
     return vps, imb
 
 

@@ -10,8 +10,9 @@
 
 Each epoch's order is ``torch.randperm(n)`` from a generator seeded by ``(seed, epoch)`` alone, so
 it is the same on every rank and after any restart. Step ``k`` takes the global batch
-``perm[k*B : (k+1)*B]`` and cuts it into ``replicas`` contiguous shards (the first ``B % replicas``
-shards one longer, as ``torch.tensor_split``); replica ``r`` gets shard ``r``::
+``perm[k*B : (k+1)*B]``; with one micro-batch (the default) it cuts that into ``replicas``
+contiguous shards (the first ``B % replicas`` shards one longer, as ``torch.tensor_split``) and
+replica ``r`` gets shard ``r``::
 
     perm   = [7 2 9 4 0 5 | 8 1 3 6 ...]        B = 6, replicas = 3
     step 0 : r0 [7 2]  r1 [9 4]  r2 [0 5]
@@ -138,7 +139,7 @@ class ShardedBatches:
         return torch.randperm(self.num_samples, generator=g)
 
     def global_batch(self, epoch: int, step: int) -> list[int]:
-        """Every replica's indices of one step, concatenated in replica order."""
+        """The step's global batch in global order (replicas take their :meth:`shard` of it)."""
         if not 0 <= step < self.steps_per_epoch:
             raise IndexError(f"step {step} out of range for {self.steps_per_epoch} steps per epoch")
         return self.order(epoch)[step * self.batch_size:(step + 1) * self.batch_size].tolist()

@@ -6,9 +6,10 @@ Rank 0 voxelizes batches of the first 1, 2 and 4 training samples (capped by the
 sizes micro-batches have, so the voxel fit interpolates), profiles the model on them on its own
 training device (:func:`~sparsepipe_hpc.plan.profile.profile_model`, 3 repeats), and searches the
 layouts of the job's ranks on a uniform machine of that many ranks (every rank the same speed,
-the launcher's ranks per node, default links; CPU ranks share rank 0's cores), keeping every
-layout option the user set (``cfg.plan_fixed``). The
-chosen plan is broadcast; every rank applies it. A failure on rank 0 (unreadable data, nothing fits) is raised on every rank.
+the launcher's ranks per node, default links; CPU ranks share the cores rank 0's node's ranks
+may run on), keeping every layout option the user set (``cfg.plan_fixed``). The chosen plan is
+broadcast; every rank applies it. A failure on rank 0 (unreadable data, nothing fits) is raised
+on every rank.
 
 The pick rests on timings, so two runs may pick different layouts when plans are close; a run
 that must resume under the same layout (a checkpoint holds per-stage shards) should write its
@@ -26,13 +27,12 @@ __all__ = ["auto_plan", "plan_for_config"]
 
 
 def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3,
-                    device: Any = "cpu", ranks_per_node: Optional[int] = None) -> Any:
+                    device: Any = "cpu", ranks_per_node: Optional[int] = None,
+                    cores_per_node: Optional[int] = None) -> Any:
     """The best :class:`~sparsepipe_hpc.plan.search.Plan` for ``cfg`` on ``world_size`` ranks,
     ``ranks_per_node`` of them per node (default: all on one), profiled on ``device`` (the one the
-    run computes on: GPU timings plan a GPU run). CPU ranks share the node's cores
-    (``Machine.core_share``), GPU ranks have a device each."""
-    import os
-
+    run computes on: GPU timings plan a GPU run). CPU ranks share ``cores_per_node`` cores
+    (``Machine.core_share``; None: a device each, as GPU ranks have)."""
     import torch
 
     from sparsepipe_hpc.data import ModelNetDataset, SceneDataset, collate, grid_for
@@ -64,7 +64,7 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3,
         fixed.update(stages=1, micro_batches=1)
     cpu = torch.device(device).type == "cpu"
     machine = Machine.uniform(world_size, ranks_per_node or world_size,
-                              cores_per_node=len(os.sched_getaffinity(0)) if cpu else None)
+                              cores_per_node=cores_per_node if cpu else None)
     result = search(prof, machine, cfg.batch_size, schedule=cfg.pipeline_schedule,
                     optimizer=cfg.optimizer, fixed=fixed, extent=shape)
     return result.plans[0]
@@ -76,6 +76,7 @@ def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
 
     from launch.env import detect
     from sparsepipe_hpc.data import default_data
+    from sparsepipe_hpc.plan.machine import node_cores
     from sparsepipe_hpc.train.agreement import agree
     from sparsepipe_hpc.train.device import resolve_device
 
@@ -85,11 +86,12 @@ def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
     rank0 = comm.Get_rank() == 0
     info = detect(comm)  # collective where the launcher leaves the node layout unsaid
     per_node = comm.allreduce(info.local_size, op=MPI.MAX)
+    cores = node_cores(comm)
 
     def pick() -> Any:
         device = resolve_device(cfg.device, info.local_rank)
         return plan_for_config(cfg, comm.Get_size(), data_dir, device=device,
-                               ranks_per_node=per_node)
+                               ranks_per_node=per_node, cores_per_node=cores)
 
     plan = agree(comm, lambda: pick() if rank0 else None)
     plan = comm.bcast(plan, root=0)

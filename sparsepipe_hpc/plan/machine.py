@@ -48,8 +48,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["Machine", "MachineError", "load_machine", "measure_links", "parse_numbers",
-           "DEFAULT_INTRA", "DEFAULT_INTER"]
+__all__ = ["Machine", "MachineError", "load_machine", "measure_links", "node_cores",
+           "parse_numbers", "DEFAULT_INTRA", "DEFAULT_INTER"]
 
 #: Used when nothing was measured: shared memory on a node, a 100 Gb/s network between nodes.
 DEFAULT_INTRA = Link(alpha=2e-6, beta=1 / 10e9)
@@ -311,6 +311,16 @@ def measure_links(comm: Any, repeats: int = 20, sizes: Sequence[int] = SIZES
     return Machine.build([1.0] * size, mems, per_node, intra or inter or DEFAULT_INTRA,
                          inter or DEFAULT_INTER, measured=True,
                          cores_per_node=_node_cores(names, cpus))
+
+
+def node_cores(comm: Any) -> Optional[int]:
+    """The cores rank 0's node's ranks may run on, the union of their CPU affinities (a binding
+    of one core per rank still counts the node's cores); None where any of them sees a CUDA
+    device (a device per rank, no cores shared). **Collective**; the same on every rank."""
+    from mpi4py import MPI
+
+    names = comm.allgather(MPI.Get_processor_name())
+    return _node_cores(names, comm.allgather(_cpu_set()))
 
 
 def _cpu_set() -> Optional[set[int]]:

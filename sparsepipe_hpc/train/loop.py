@@ -169,7 +169,8 @@ class Trainer:
             self.eval_pipe = Pipeline(self.model, self.ctx, cfg.balance, "gpipe", 1,
                                       transport=stages, autocast=amp)
         elif cfg.balance is not None:  # no pipeline reads it, but it must fit the model
-            agree(comm, lambda: parse_balance(cfg.balance, len(self.model.blocks)))
+            balance: str = cfg.balance
+            agree(comm, lambda: parse_balance(balance, len(self.model.blocks)))
 
         params = list(self.pipe.parameters() if self.pipe else self.model.parameters())
         self.train_params = params
