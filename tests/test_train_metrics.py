@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from sparsepipe_hpc.train.metrics import ConfusionMatrix, MetricsLog, format_summary, read_metrics
@@ -25,6 +26,17 @@ def test_confusion_matrix_iou():
     assert math.isclose(cm.mean_class_accuracy(), (2 / 3 + 1 / 2 + 1) / 3)
     cm.update(pred, target)  # counts accumulate
     assert cm.total == 12 and cm.overall_accuracy() == 4 / 6
+
+
+def test_classes_out_of_range_are_refused_not_counted_elsewhere():
+    cm = ConfusionMatrix(3)
+    with pytest.raises(ValueError, match=r"pred holds classes 0\.\.3; the confusion matrix counts "
+                                         r"classes 0\.\.2 \(num_classes=3\)"):
+        cm.update(torch.tensor([3, 0]), torch.tensor([0, 1]))  # would count as (true 1, pred 0)
+    with pytest.raises(ValueError, match=r"target holds classes -1\.\.1"):
+        cm.update(torch.tensor([0, 1]), torch.tensor([-1, 1]))
+    assert cm.total == 0
+    cm.update(torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long))
 
 
 def test_empty_confusion_matrix_is_nan():

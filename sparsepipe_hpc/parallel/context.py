@@ -34,8 +34,8 @@ from halo.cuts import Cuts
 from halo.transport.base import Reducer
 from halo.transport.collectives import ReduceGroup, allgatherv, allreduce_, bcast_
 from sparsepipe_hpc.parallel.failures import disagreement
-from sparsepipe_hpc.parallel.gradients import DEFAULT_BUCKET_BYTES, GradientReducer, \
-    gradient_anywhere
+from sparsepipe_hpc.parallel.gradients import (DEFAULT_BUCKET_BYTES, GradientReducer,
+                                               check_same_parameters, gradient_anywhere)
 from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout
 from sparsepipe_hpc.parallel.spatial import check_payloads
 from sparsepipe_hpc.sparse import SparseTensor
@@ -83,12 +83,26 @@ class ParallelContext:
         self.cuts_mode = cuts
         self.overlap = overlap
         self.spatial: Any = None  # the current batch's SpatialDomain (bound copies only)
+        self._one_box: list[Any] = []  # input_grid()'s grid without a group; copies share it
         self.group: Any = None
         if layout.spatial_size > 1 or force_spatial:
             from sparsepipe_hpc.parallel.spatial import SpatialGroup
 
             self.group = SpatialGroup(self.spatial_comm, layout.grid, transport=transport,
                                       overlap=overlap)
+
+    def input_grid(self) -> Any:
+        """The spatial group's :class:`~halo.grid.ProcessGrid`, or without one a 1x1x1 grid over
+        this rank's spatial communicator (made on first use, freed by :meth:`close`): where
+        :func:`~sparsepipe_hpc.parallel.input.read_distributed` reads. Collective the first
+        time without a group."""
+        self._check_open()
+        if self.group is not None:
+            return self.group.grid
+        if not self._one_box:
+            from halo.grid import ProcessGrid
+            self._one_box.append(ProcessGrid(self.spatial_comm, (1, 1, 1)))
+        return self._one_box[0]
 
     def _reduce_group(self, comm: Any) -> ReduceGroup:
         """``comm`` with a reducer from ``make_reducer`` (collective; none for one rank)."""
@@ -153,19 +167,22 @@ class ParallelContext:
         map. Collective over the spatial group (:func:`~halo.transport.collectives.allgatherv`).
         """
         self._check_open()
-        if self.group is None:
-            return values
         from halo.kmap import coord_keys
 
-        comm = self.spatial_comm
-        all_keys = allgatherv(coord_keys(local_coords), comm)
-        all_vals = allgatherv(values.detach(), comm)
+        if self.group is None:  # one rank: its rows, checked and put in full_coords' order
+            all_keys, all_vals = coord_keys(local_coords), values.detach()
+        else:
+            comm = self.spatial_comm
+            all_keys = allgatherv(coord_keys(local_coords), comm)
+            all_vals = allgatherv(values.detach(), comm)
         sorted_keys, order = torch.sort(all_keys)
         want = coord_keys(full_coords).to(all_keys.device)
         pos = torch.searchsorted(sorted_keys, want).clamp(max=max(len(order) - 1, 0))
-        if len(all_keys) != len(want) or not torch.equal(sorted_keys[pos], want):
+        # The same count, each wanted voxel found, none twice: the same voxel set.
+        if len(all_keys) != len(want) or not torch.equal(sorted_keys[pos], want) \
+                or len(torch.unique(pos)) != len(pos):
             raise ValueError(f"collect: the spatial ranks hold {len(all_keys)} voxels but "
-                             f"full_coords has {len(want)}, or different ones")
+                             f"full_coords has {len(want)}, or different ones (or one twice)")
         return all_vals[order[pos].to(all_vals.device)]
 
     # --- end ------------------------------------------------------------------------------------
@@ -184,6 +201,8 @@ class ParallelContext:
 
         if self.group is not None:
             self.group.close()
+        for grid in self._one_box:
+            grid.free()
         for g in (self.spatial_group, self.stats_group):
             if g.reducer is not None:
                 g.reducer.close()
@@ -231,6 +250,7 @@ class ParallelContext:
         if self.stats_comm.Get_size() == 1:
             return
         params = list(params)
+        check_same_parameters(params, self.stats_comm, "allreduce_gradients")
         groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
         for p, had in zip(params, gradient_anywhere(params, self.stats_comm)):
             if had:

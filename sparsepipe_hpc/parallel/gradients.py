@@ -39,12 +39,27 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import numpy as np
 import torch
 
+from halo.agree import agree
 from halo.transport.base import Reducer, Request
 from halo.transport.collectives import ReduceGroup, iallreduce_
 
-__all__ = ["GradientReducer", "GradientReducerError", "DEFAULT_BUCKET_BYTES", "gradient_anywhere"]
+__all__ = ["GradientReducer", "GradientReducerError", "DEFAULT_BUCKET_BYTES", "gradient_anywhere",
+           "check_same_parameters"]
 
 DEFAULT_BUCKET_BYTES = 4 << 20  # 4 MiB: a few buckets for the default U-Net, latency amortized
+
+
+def check_same_parameters(params: list[torch.nn.Parameter], comm: Any, what: str) -> None:
+    """Raise ValueError on every rank of ``comm`` unless all pass parameters of the same shapes
+    and dtypes in the same order: sums of unlike lists would add unrelated numbers, or leave
+    the ranks in collectives of different sizes. Collective (one small all-reduce)."""
+    layout = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
+    _, same = agree(comm, False, layout)
+    if not same:
+        raise ValueError(f"{what}: the ranks that sum these gradients pass different parameters "
+                         f"(this rank: {len(params)} tensors of "
+                         f"{sum(p.numel() for p in params)} elements); every rank must pass the "
+                         f"same model's parameters, in the same order")
 
 
 def gradient_anywhere(params: list[torch.nn.Parameter], comm: Any) -> Iterator[bool]:
@@ -101,6 +116,7 @@ class GradientReducer:
         self._next = 0  # the first bucket not started yet
         self.closed = False
         if self.active:
+            check_same_parameters(self.params, self.comm, "GradientReducer")
             self._build()
 
     def _build(self) -> None:

@@ -46,7 +46,6 @@ import numpy as np
 import torch
 
 from halo.cuts import CutError, Cuts, uniform_cuts
-from halo.grid import ProcessGrid
 from halo.kmap import decode_keys
 from halo.ownership import owner_ranks
 from sparsepipe_hpc.data.checks import DataFormatError
@@ -164,12 +163,7 @@ def read_distributed(ctx: Any, dataset: Any, indices: Sequence[int], voxel_size:
         raise ValueError(f"read_distributed: got {len(generators)} generators for "
                          f"{len(indices)} samples; pass one per sample")
     spatial = ctx.group is not None
-    if spatial:
-        grid = ctx.group.grid
-    else:  # one rank: a 1x1x1 grid over its own communicator, made once per context
-        grid = getattr(ctx, "_input_grid", None)
-        if grid is None:
-            grid = ctx._input_grid = ProcessGrid(ctx.spatial_comm, (1, 1, 1))
+    grid = ctx.input_grid()  # one rank without a group: a 1x1x1 grid (raises after close)
     rank, size = grid.rank, grid.size
     name = f"samples {list(indices)} of {getattr(dataset, 'path', dataset)}"
     augs = [None if generators is None else RangeAugmenter(

@@ -43,6 +43,11 @@ class ConfusionMatrix:
             raise ValueError(f"pred {list(pred.shape)} and target {list(target.shape)} must have "
                              "the same shape")
         k = self.num_classes
+        for name, v in (("pred", pred), ("target", target)):
+            # Out of range, target * K + pred would count in another class's cell.
+            if v.numel() and not 0 <= int(v.min()) <= int(v.max()) < k:
+                raise ValueError(f"{name} holds classes {int(v.min())}..{int(v.max())}; the "
+                                 f"confusion matrix counts classes 0..{k - 1} (num_classes={k})")
         idx = target.long().reshape(-1) * k + pred.long().reshape(-1)
         self.matrix += torch.bincount(idx, minlength=k * k).view(k, k)
 

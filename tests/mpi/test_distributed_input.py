@@ -262,6 +262,28 @@ def test_ranks_reading_other_samples_or_draws_raise_everywhere(comm, scenes):
     read_distributed(ctx, scenes, [0], 0.1, origin, shape)  # still in step afterwards
 
 
+def test_a_ranks_own_grid_is_shared_by_bound_copies_and_freed_by_close(comm, scenes):
+    """Without a spatial group, read_distributed reads over a 1x1x1 grid of the rank's own: one
+    per context (bound copies share it), freed with the context, refused after it."""
+    from mpi4py import MPI
+
+    from sparsepipe_hpc.data.loader import grid_for
+    from sparsepipe_hpc.parallel.context import ParallelContext
+    from sparsepipe_hpc.parallel.input import read_distributed
+    from sparsepipe_hpc.parallel.layout import RankLayout
+
+    ctx = ParallelContext(comm, RankLayout.from_world(comm.size))  # replicas only
+    origin, shape = grid_for(scenes, 0.1, multiple=4)
+    read_distributed(ctx, scenes, [0], 0.1, origin, shape)
+    grid = ctx.input_grid()
+    read_distributed(ctx.bind(None), scenes, [0], 0.1, origin, shape)
+    assert ctx.bind(None).input_grid() is grid and grid.dims == (1, 1, 1)
+    ctx.close()
+    assert grid.comm == MPI.COMM_NULL
+    with pytest.raises(RuntimeError, match="used after close"):
+        read_distributed(ctx, scenes, [0], 0.1, origin, shape)
+
+
 @pytest.mark.parametrize("dims", ALL_GRIDS)
 @pytest.mark.parametrize("mode", ["balanced", "uniform"])
 def test_read_distributed_equals_distribute(comm, scenes, dims, mode, monkeypatch):

@@ -131,6 +131,26 @@ def test_two_backwards_while_armed_is_an_error(comm):
         r.arm()
 
 
+def test_ranks_with_unlike_parameters_are_refused_on_every_rank(comm):
+    """One rank's model differs (a larger first layer): the flat all-reduce would add unrelated
+    numbers or truncate on some ranks, the buckets hang; both raise on every rank instead."""
+    if comm.size == 1:
+        pytest.skip("one rank: nothing is summed")
+    ctx = ParallelContext(comm, RankLayout.from_world(comm.size))
+    a = torch.nn.Parameter(torch.ones(6 if comm.rank == comm.size - 1 else 4))
+    b = torch.nn.Parameter(torch.ones(3))
+    (a.sum() + b.sum()).backward()
+    with pytest.raises(ValueError, match="allreduce_gradients: the ranks that sum these "
+                                         "gradients pass different parameters"):
+        ctx.allreduce_gradients([a, b])
+    with pytest.raises(ValueError, match="GradientReducer: the ranks .* different parameters"):
+        ctx.gradient_reducer([a, b])
+    with pytest.raises(ValueError, match="different parameters"):  # the order matters too
+        ctx.allreduce_gradients([b, a] if comm.rank == 0 else [a, b])
+    ctx.allreduce_gradients([b])  # alike: fine
+    ctx.close()
+
+
 def test_bad_bucket_size():
     with pytest.raises(ValueError, match="bucket_bytes must be a positive integer; got 0"):
         GradientReducer([], None, 0)

@@ -415,6 +415,11 @@ def test_collect_any_dtype_and_row_shape(comm, dtype):
         xl, = ctx.distribute(x, align=2)
         full = ctx.collect(xl.coords, value_of(xl.coords), x.coords)
         assert full.dtype == dtype and torch.equal(full, value_of(x.coords))
+        # The same count of voxels, but one twice and another missing: not the same voxel set.
+        twice = x.coords.clone()
+        twice[1] = twice[0]
+        with pytest.raises(ValueError, match=r"or different ones \(or one twice\)"):
+            ctx.collect(xl.coords, value_of(xl.coords), twice)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
