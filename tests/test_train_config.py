@@ -214,3 +214,25 @@ def test_trace_and_deferred_bn_options(tmp_path):
     with pytest.raises(ConfigError, match=r"^--trace .* is a directory but names the trace file "
                                           r"to write; pass a file such as .*trace\.json$"):
         parse_config(["--trace", str(tmp_path)])
+
+
+def test_a_default_batch_that_does_not_split_over_the_replicas_grows_to_fit():
+    """`mpirun -n 8 python -m sparsepipe_hpc.train` runs: the seg default of 4 samples becomes
+    8 (one per replica), said in a note; a --batch-size given is kept, and refused if it does
+    not split."""
+    from sparsepipe_hpc.train.config import fit_default_batch
+    cfg = parse_config([])
+    assert "batch_size" in cfg.defaulted
+    fit, note = fit_default_batch(cfg, 8)
+    assert fit.batch_size == 8 and note == ("--batch-size 8: the seg default 4 does not split "
+                                            "over 8 replicas (pass --batch-size to choose)")
+    assert resolve_layout(fit, 8).replicas == 8
+    assert fit_default_batch(cfg, 3)[0].batch_size == 6
+    assert fit_default_batch(cfg, 2) == (cfg, None)
+    grid = parse_config(["--grid", "2,1,1"])  # 4 replicas of 2 ranks: 4 splits
+    assert fit_default_batch(grid, 8) == (grid, None)
+    assert fit_default_batch(parse_config(["--task", "cls"]), 3)[0].batch_size == 33
+    given = parse_config(["--batch-size", "4"])
+    assert fit_default_batch(given, 8) == (given, None)
+    with pytest.raises(ConfigError, match="--batch-size 4 cannot be split over 8 replicas"):
+        resolve_layout(given, 8)

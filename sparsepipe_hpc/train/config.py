@@ -38,7 +38,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package (a cond
 
 __all__ = ["ConfigError", "TrainConfig", "TASK_DEFAULTS", "build_parser", "parse_config",
            "resolve_layout", "local_batch_size", "distributed_input", "use_prefetch",
-           "check_input_options"]
+           "check_input_options", "fit_default_batch"]
 
 TASKS = ("seg", "cls")
 INPUTS = ("auto", "whole", "distributed")
@@ -109,11 +109,13 @@ class TrainConfig:
     plan: Optional[str] = None
     plan_ranks: Optional[int] = None       # the ranks a --plan FILE was made for
     plan_fixed: tuple[str, ...] = ()       # --plan auto: layout options the user set
+    defaulted: tuple[str, ...] = ()        # the task defaults used (options not set)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["grid"] = list(self.grid)
         d["plan_fixed"] = list(self.plan_fixed)
+        d["defaulted"] = list(self.defaulted)
         return d
 
 
@@ -364,7 +366,8 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
     task = given.get("task", "seg")
     if task not in TASKS:
         raise ConfigError(f"--task must be one of {', '.join(TASKS)}; got {task!r}")
-    values = {**TASK_DEFAULTS[task], **given}
+    values = {**TASK_DEFAULTS[task], **given,
+              "defaulted": tuple(k for k in TASK_DEFAULTS[task] if k not in given)}
     model = values["model"]
     if model not in MODEL_TASK:
         raise ConfigError(f"--model must be one of {', '.join(sorted(MODEL_TASK))}; got {model!r}")
@@ -466,6 +469,26 @@ def _balance(balance: str, stages: Optional[int]) -> tuple[int, ...]:
         return parse_balance(balance, None, stages)
     except PipelineError as e:
         raise ConfigError(str(e)) from None
+
+
+def fit_default_batch(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, Optional[str]]:
+    """(``cfg``, note): where ``--batch-size`` was left at its task default and that does not
+    split over the job's replicas (``mpirun -n 8`` on the seg default of 4), the least multiple
+    of the replicas above it, and a line saying so; an explicit ``--batch-size`` is kept (and
+    :func:`resolve_layout` names what to pass)."""
+    if "batch_size" not in cfg.defaulted:
+        return cfg, None
+    try:
+        replicas = RankLayout.from_world(world_size, cfg.grid, cfg.replicas,
+                                         stages=cfg.stages).replicas
+    except LayoutError:
+        return cfg, None  # resolve_layout says what is wrong
+    if cfg.batch_size % replicas == 0:
+        return cfg, None
+    batch = -(-cfg.batch_size // replicas) * replicas
+    note = (f"--batch-size {batch}: the {cfg.task} default {cfg.batch_size} does not split over "
+            f"{replicas} replicas (pass --batch-size to choose)")
+    return dataclasses.replace(cfg, batch_size=batch), note
 
 
 def resolve_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
