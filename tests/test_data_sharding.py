@@ -77,7 +77,7 @@ def test_state_after_last_step_names_next_epoch():
     it = iter(s)
     for _ in range(3):
         next(it)
-    assert s.state_dict() == {"epoch": 1, "step_in_epoch": 0}
+    assert s.state_dict() == {"epoch": 1, "step_in_epoch": 0, "micro_batches": 1}
     assert len(s) == 3 and s.steps_per_epoch == 3
 
 
@@ -147,3 +147,16 @@ def test_replicas_share_every_global_micro_batch(batch_len, replicas, m):
                                micro_batches=m).shard(list(range(batch_len)))
         local = local_micro_bounds(batch_len, replicas, r, m)
         assert [shard[a:b] for a, b in local] == [list(range(a, b)) for a, b in parts[r]]
+
+
+def test_a_state_dealt_for_other_micro_batches_is_refused_with_replicas():
+    two = ShardedBatches(20, 4, replicas=2, rank=0, micro_batches=2)
+    assert two.state_dict()["micro_batches"] == 2
+    two.load_state_dict(two.state_dict())
+    with pytest.raises(ValueError, match="dealt the replicas' samples for one micro-batch but "
+                                         "this run has 2 replicas and 2"):
+        two.load_state_dict({"epoch": 0, "step_in_epoch": 1})  # saved before the field existed
+    with pytest.raises(ValueError, match="for 1 micro-batches"):
+        two.load_state_dict({"epoch": 0, "step_in_epoch": 1, "micro_batches": 1})
+    one = ShardedBatches(20, 4, replicas=1, micro_batches=2)   # one replica: dealt alike
+    one.load_state_dict({"epoch": 0, "step_in_epoch": 1})

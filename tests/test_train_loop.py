@@ -585,3 +585,45 @@ def test_a_balance_that_does_not_fit_the_model_is_refused_without_a_pipeline(dat
     with pytest.raises(SetupError, match="--balance 3 sums to 3 but the model has 6 blocks"):
         Trainer(tiny(data, tmp_path / "a", "--balance", "3"), MPI.COMM_SELF, log=None)
     Trainer(tiny(data, tmp_path / "b", "--balance", "6"), MPI.COMM_SELF, log=None).close()
+
+
+def test_the_log_holds_each_step_once_across_stops_requeues_and_reruns(data, tmp_path):
+    """A stop right after an eval step's training (before its eval) gets the eval when resumed;
+    a finished run resumed logs no second final eval; a requeued --resume auto job that died
+    before its first checkpoint starts the log again (it appended to the dead run's)."""
+    opts = ("--steps", "4", "--eval-every", "2", "--lr", "0.01")
+    train(tiny(data, tmp_path / "a", *opts))
+    holder = {}
+    stopper = Trainer(tiny(data, tmp_path / "b", *opts), MPI.COMM_SELF, log=None,
+                      should_stop=lambda: holder["t"].step >= 2)
+    holder["t"] = stopper
+    assert stopper.run()["stopped"]
+    said: list[str] = []
+    train(tiny(data, tmp_path / "b", *opts, "--resume", "auto"))  # the eval at step 2 first
+    records = [(r["kind"], r["step"]) for r in read_metrics(tmp_path / "b" / "metrics.jsonl")]
+    assert records == [("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("train", 4),
+                       ("eval", 4)]
+    assert read_metrics(tmp_path / "b" / "metrics.jsonl", "eval") == \
+        read_metrics(tmp_path / "a" / "metrics.jsonl", "eval")
+    res = Trainer(tiny(data, tmp_path / "b", *opts, "--resume", "auto"), MPI.COMM_SELF,
+                  log=said.append).run()  # finished: nothing to train, the eval once
+    assert res["eval"] is not None
+    assert [(r["kind"], r["step"]) for r in read_metrics(tmp_path / "b" / "metrics.jsonl")] \
+        == records
+    # A run that left records but no checkpoint, requeued with --resume auto: one log again.
+    dead = tmp_path / "c"
+    dead.mkdir()
+    (dead / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 9.0}\n'
+                                        '{"kind": "train", "step": 2, "lo')
+    said.clear()
+    Trainer(tiny(data, dead, *opts, "--resume", "auto"), MPI.COMM_SELF, log=said.append).run()
+    assert [r["step"] for r in read_metrics(dead / "metrics.jsonl", "train")] == [1, 2, 3, 4]
+    assert losses(dead) == losses(tmp_path / "a")
+    assert any("held the records of an earlier run" in s for s in said)
+
+
+def test_resume_refuses_other_micro_batches(data, tmp_path):
+    train(tiny(data, tmp_path / "a", "--steps", "1", "--micro-batches", "2"))
+    with pytest.raises(SetupError, match=r"other options \(--micro-batches 2 -> 1\)"):
+        Trainer(tiny(data, tmp_path / "a", "--steps", "2", "--resume", "auto"), MPI.COMM_SELF,
+                log=None)

@@ -205,16 +205,31 @@ class ShardedBatches:
         self.epoch, self.step_in_epoch = int(epoch), 0
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "step_in_epoch"}``; after an epoch's last step it already names the next
-        epoch's start, so a loop ``while batches.epoch < epochs`` resumes without an extra epoch."""
+        """``{"epoch", "step_in_epoch", "micro_batches"}``; after an epoch's last step it
+        already names the next epoch's start, so a loop ``while batches.epoch < epochs`` resumes
+        without an extra epoch. ``micro_batches``: how the replicas' shards were dealt."""
         if self.step_in_epoch >= self.steps_per_epoch:
-            return {"epoch": self.epoch + 1, "step_in_epoch": 0}
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+            return {"epoch": self.epoch + 1, "step_in_epoch": 0,
+                    "micro_batches": self.micro_batches}
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "micro_batches": self.micro_batches}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue from ``state``. ValueError where its replicas' shards were dealt otherwise:
+        another ``micro_batches``, or (a state without one, saved before the shards followed
+        the micro-batches) replicas and micro-batches both above one."""
         missing = {"epoch", "step_in_epoch"} - set(state)
         if missing:
             raise KeyError(f"ShardedBatches state lacks {sorted(missing)}; got {dict(state)}")
+        dealt = state.get("micro_batches")
+        if (dealt is None and self.replicas > 1 and self.micro_batches > 1) or \
+                (dealt is not None and int(dealt) != self.micro_batches and self.replicas > 1):
+            raise ValueError(f"ShardedBatches state {dict(state)} dealt the replicas' samples for "
+                             f"{'one micro-batch' if dealt is None else f'{dealt} micro-batches'}"
+                             f" but this run has {self.replicas} replicas and "
+                             f"{self.micro_batches}: its steps would take other samples (a "
+                             f"state from before the shards followed the micro-batches cannot "
+                             f"be continued exactly; start a new run)")
         epoch, step = int(state["epoch"]), int(state["step_in_epoch"])
         if epoch < 0 or not 0 <= step <= self.steps_per_epoch:
             raise ValueError(f"ShardedBatches state {dict(state)} out of range: need epoch >= 0 "

@@ -69,7 +69,8 @@ RUN_FILES = (LAST, f"{LAST}.manifest.json", "config.json", "metrics.jsonl", "wri
 #: Options that change the model's shape or the meaning of the saved loader position: a checkpoint
 #: written under other values cannot be continued.
 MUST_MATCH = ("task", "model", "width", "depth", "batch_size", "voxel_size", "seed", "optimizer",
-              "stages", "balance")  # a pipelined checkpoint holds one optimizer state per stage
+              "stages", "balance",  # a pipelined checkpoint holds one optimizer state per stage
+              "micro_batches", "deferred_bn")  # what BatchNorm normalizes over, and its buffers
 
 
 class CheckpointError(ValueError):

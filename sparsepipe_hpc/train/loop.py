@@ -378,6 +378,9 @@ class Trainer:
             if not self.is_root:
                 return
             self.metrics.check()  # a metrics write that failed since the last agreement
+            # The log reaches the disk before the checkpoint that resumes after it: a crash
+            # between the two would leave the checkpoint's steps out of the log for good.
+            self.metrics.sync()
             last = path == self.out / ckpt_io.LAST
             digest = resume.write_checkpoint(
                 path, self._train_state(), rng=states, stage_optimizers=stage_optimizers,
@@ -387,7 +390,6 @@ class Trainer:
                 on_disk=self._on_disk if last else None)
             if last:
                 self._on_disk = digest
-            self.metrics.sync()
 
         agree(self.comm, write)  # also the barrier: nobody reads or exits before the file is in
         return path
@@ -423,6 +425,8 @@ class Trainer:
                    dynamic_ncols=True)
         recorder = (Recorder.start(self.comm, self.device)  # collective
                     if cfg.trace or cfg.plot else None)
+        if self._eval_missing():  # a run stopped right after an eval step, before its eval
+            self._log_eval(bar)
         with self._prefetching():  # --prefetch: the next batch read during each step
             last_train, last_eval, stopped = self._train_steps(bar, recorder)
         bar.close()
@@ -434,7 +438,8 @@ class Trainer:
                 self._say(f"checkpoint is already at step {self.step} of {self.total_steps}: "
                           "nothing to train")
             last_eval = self.evaluate()
-            self.metrics.write(last_eval)
+            if self.metrics.last_step("eval") != self.step:  # (a finished run resumed: logged)
+                self.metrics.write(last_eval)
         agree(self.comm, self.metrics.close)  # the last records reach the disk, or every rank hears
         if recorder is not None:
             run_files.write_trace(recorder, self.comm, self.ctx.position, trace=cfg.trace,
@@ -480,9 +485,7 @@ class Trainer:
                 stopped = bool(stats[2] > 0)
                 done = self.step >= self.total_steps
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and not done and not stopped:
-                    last_eval = self.evaluate()
-                    self.metrics.write(last_eval)
-                    self._say(eval_text(last_eval, self.seg), bar)
+                    last_eval = self._log_eval(bar)
                     t0 = time.perf_counter()  # keep eval time out of voxels/s
                 if stopped or done or (cfg.checkpoint_every
                                        and self.step % cfg.checkpoint_every == 0):
@@ -491,6 +494,23 @@ class Trainer:
                 if stopped or done:
                     break
         return last_train, last_eval, stopped
+
+    def _log_eval(self, bar: Any) -> dict[str, Any]:
+        """An evaluation on the schedule: run, logged, said. **Collective.**"""
+        record = self.evaluate()
+        self.metrics.write(record)
+        self._say(eval_text(record, self.seg), bar)
+        return record
+
+    def _eval_missing(self) -> bool:
+        """Whether a resumed run's step is one on the --eval-every schedule (and not the last)
+        whose evaluation the log lacks: a stop at that step skips it, and the resumed run
+        starts after it. Rank 0 reads the log; every rank gets its answer. **Collective.**"""
+        every = self.cfg.eval_every
+        due = (self.resumed_from is not None and every and self.step % every == 0
+               and 0 < self.step < self.total_steps)
+        return bool(self.comm.bcast(due and self.metrics.last_step("eval") != self.step
+                                    if self.is_root else None, root=0))
 
     def close(self) -> None:
         """Free the run's communicators, transports and reducers and close the data files.

@@ -161,6 +161,11 @@ class MetricsLog:
     def last_train_step(self) -> Optional[int]:
         """The highest ``step`` of the train records in the file (None: none, or not rank 0);
         a line cut short by a crash is skipped."""
+        return self.last_step("train")
+
+    def last_step(self, kind: str) -> Optional[int]:
+        """The highest ``step`` of the records of ``kind`` ("train", "eval") in the file (None:
+        none, or not rank 0); a line cut short by a crash is skipped."""
         if self._file is None or not self.path.exists():
             return None
         self._file.flush()
@@ -170,7 +175,7 @@ class MetricsLog:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(rec, dict) and rec.get("kind") == "train":
+            if isinstance(rec, dict) and rec.get("kind") == kind:
                 steps.append(int(rec.get("step", 0)))
         return max(steps, default=None)
 

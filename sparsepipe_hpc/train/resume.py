@@ -182,7 +182,9 @@ def load_state(path: Path, state: TrainState, *, cfg: TrainConfig, out: Path, co
         mine = states[comm.Get_rank()] if same else states[0]
         ckpt_io.set_rng_state(mine, device=device)
         state.precision.load_state_dict(ckpt.get("scaler"))
-    except (KeyError, RuntimeError, TypeError) as e:
+    except ckpt_io.CheckpointError:
+        raise
+    except (KeyError, RuntimeError, TypeError, ValueError) as e:
         raise ckpt_io.CheckpointError(f"--resume {path}: does not fit this run "
                                       f"({type(e).__name__}: {e})") from None
     saved = ckpt.get("layout", {})

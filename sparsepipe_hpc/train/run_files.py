@@ -67,7 +67,8 @@ def open_out(out: Path, need_bytes: int, say: Callable[[str], None], *,
     """Rank 0: remove temporary files left in ``out`` by a killed run, check that ``out`` is
     writable with ``need_bytes`` free (OutputError otherwise), open ``metrics.jsonl``; resumed
     (from the checkpoint ``resumed_from`` at ``step``): cut it back to that step, saying which
-    steps are trained again."""
+    steps are trained again; not resumed: empty it, saying so if an earlier run left records
+    (a requeued ``--resume auto`` job killed before its first checkpoint appended to them)."""
     removed = ckpt_io.remove_stale_temps(out)  # first: they may be what fills the disk
     check_out_dir(out, need_bytes)
     if removed:
@@ -80,6 +81,9 @@ def open_out(out: Path, need_bytes: int, say: Callable[[str], None], *,
         if note is not None:
             say(note)
         metrics.truncate_after(step)
+    elif metrics.truncate_after(0):  # a run here before, with no checkpoint to continue
+        say(f"note: {out / 'metrics.jsonl'} held the records of an earlier run in {out} that "
+            f"this run does not continue (no checkpoint, or no --resume): they are replaced")
     return metrics
 
 
