@@ -532,13 +532,24 @@ def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(data, t
     cfg = tiny(data, tmp_path / "a", "--depth", "12")
     with torch.device("meta"):
         probe = build_model("unet", 3, 5, width=4, depth=12)
-    with pytest.raises(SetupError, match=r"--depth 12 has [\d,]+ parameters: .* GiB of float32 "
-                                         r"weights alone .* use a smaller --width or --depth"):
+    with pytest.raises(SetupError, match=r"--depth 12 has [\d,]+ parameters: .* GiB for its "
+                                         r"float32 weights, gradients and adamw's state \(4x the "
+                                         r"weights\), .* use a smaller --width or --depth"):
         check_model_fits(probe, cfg, 2**30)
     check_model_fits(probe, cfg, None)  # unknown free memory: no verdict
     with torch.device("meta"):
         small = build_model("unet", 3, 5, width=4, depth=2)
     check_model_fits(small, cfg, 2**30)
+    # The whole state counts, not the weights alone (--depth 10: 6.9 GiB of weights, 27.6 GiB
+    # with AdamW's, which the kernel killed on a 24 GiB machine), and a node's CPU ranks share.
+    weights = 4 * sum(p.numel() for p in small.parameters())
+    with pytest.raises(SetupError, match="4x the weights"):
+        check_model_fits(small, cfg, 3 * weights)
+    check_model_fits(small, cfg, 4 * weights)
+    with pytest.raises(SetupError, match=r"free for each of its 2 ranks"):
+        check_model_fits(small, cfg, 4 * weights, ranks_sharing=2)
+    staged = tiny(data, tmp_path / "s", "--stages", "2")  # a rank holds one stage's part
+    check_model_fits(small, staged, weights)
     assert free_memory(torch.device("cpu")) is None or free_memory(torch.device("cpu")) > 0
     # Depth 14: 1.7 TiB of weights, more than any machine here (GPU or host) has free.
     with pytest.raises(SetupError, match="--depth 14 has"):

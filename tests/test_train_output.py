@@ -58,8 +58,11 @@ def test_check_out_dir(tmp_path, monkeypatch):
     output.check_out_dir(tmp_path / "run", need_bytes=1)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []  # the probe cleans up
     (tmp_path / "file").write_text("x")
-    with pytest.raises(OutputError, match=r"cannot write the run directory \(--out\) .*file/run"):
+    with pytest.raises(OutputError, match=r"--out .*file/run: .*file is a file, not a "
+                                          r"directory; pass --out with a directory"):
         output.check_out_dir(tmp_path / "file" / "run", need_bytes=1)
+    with pytest.raises(OutputError, match=r"file is a file, not a directory"):
+        output.check_out_dir(tmp_path / "file", need_bytes=1)
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(1 << 30, (1 << 30) - 5000, 5000))
     with pytest.raises(OutputError, match=r"--out .*run: its file system has 4.9 KiB free, "

@@ -24,6 +24,7 @@ from sparsepipe_hpc.bench.common import environment, synthetic_room, write_json
 from sparsepipe_hpc.nn.models import SparseUNet
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.layout import RankLayout
+from sparsepipe_hpc.bench._args import positive_int
 
 __all__ = ["main"]
 
@@ -46,11 +47,11 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench allreduce",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the results here (rank 0)")
-    ap.add_argument("--width", type=int, default=32)
-    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--width", type=positive_int, default=32)
+    ap.add_argument("--depth", type=positive_int, default=4)
     ap.add_argument("--voxel-size", type=float, default=0.08)
     ap.add_argument("--bucket-mb", type=float, nargs="+", default=[1.0, 4.0])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=positive_int, default=7)
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     ctx = ParallelContext(comm, RankLayout.from_world(comm.Get_size()))

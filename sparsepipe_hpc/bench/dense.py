@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from sparsepipe_hpc.bench.common import environment, write_json
+from sparsepipe_hpc.bench._args import positive_int
 
 
 class DenseUNet(nn.Module):
@@ -161,8 +162,8 @@ def main(argv: list[str]) -> None:
         return
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench dense")
     p.add_argument("--json")
-    p.add_argument("--sizes", type=int, nargs="+", default=[64, 96, 128])
-    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--sizes", type=positive_int, nargs="+", default=[64, 96, 128])
+    p.add_argument("--width", type=positive_int, default=16)
     p.add_argument("--limit", type=float, default=300.0, help="seconds before a run is cut off")
     args = p.parse_args(argv)
     rows = run(args.sizes, args.width, args.limit)

@@ -19,6 +19,7 @@ from sparsepipe_hpc.bench.common import (environment, synthetic_room, time_alter
                                          write_json)
 from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.nn import SparseUNet
+from sparsepipe_hpc.bench._args import positive_int
 
 CPU = torch.device("cpu")  # the engines compare on one CPU thread (spconv's CPU build)
 
@@ -27,9 +28,9 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench engine")
     p.add_argument("--json")
     p.add_argument("--voxel-size", type=float, default=0.03)
-    p.add_argument("--points", type=int, default=1_000_000)
-    p.add_argument("--width", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--points", type=positive_int, default=1_000_000)
+    p.add_argument("--width", type=positive_int, default=16)
+    p.add_argument("--repeats", type=positive_int, default=3)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     x = synthetic_room(args.voxel_size, points=args.points)

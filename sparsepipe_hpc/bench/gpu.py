@@ -62,6 +62,7 @@ from sparsepipe_hpc.bench._gpu_tables import (SKIP_CPU_AUTOCAST, autocast, batch
                                               strided_table, switched, triton_skip, variants)
 from sparsepipe_hpc.bench.launches import describe_gap, kernel_gap, step_launches
 from sparsepipe_hpc.sparse import SparseTensor
+from sparsepipe_hpc.bench._args import positive_int
 
 __all__ = ["main", "build_parser", "synthetic_rooms", "unet_steps", "PRECISIONS"]
 
@@ -180,17 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench gpu")
     p.add_argument("--json")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--rooms", type=int, default=4)
+    p.add_argument("--rooms", type=positive_int, default=4)
     p.add_argument("--voxel-size", type=float, default=0.02)
-    p.add_argument("--points", type=int, default=2_000_000, help="points per room")
-    p.add_argument("--width", type=int, default=32)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--layer-channels", type=int, default=64)
+    p.add_argument("--points", type=positive_int, default=2_000_000, help="points per room")
+    p.add_argument("--width", type=positive_int, default=32)
+    p.add_argument("--depth", type=positive_int, default=4)
+    p.add_argument("--layer-channels", type=positive_int, default=64)
     p.add_argument("--precisions", default=None,
                    help="comma-separated (default fp32,fp16). spconv 2.3.8 has no bfloat16: under "
                    "bf16 autocast its own layers compute in fp16 (their custom_fwd casts to "
                    "float16 whatever the autocast dtype) and the project's in float32")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--launches", action=argparse.BooleanOptionalAction, default=True,
                    help="profile one more step of each network (kernels, runtime calls, host "
                    "syncs; slow at the issue's scene): --no-launches leaves the timings only")

@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 
 from halo.transport.nccl import nccl_available
+from sparsepipe_hpc.bench._args import positive_int
 
 __all__ = ["main", "build_parser", "device_transports", "sizes_section", "SECTIONS"]
 
@@ -118,16 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     a("--transport", choices=("staged", "ipc", "nccl", "mpi"),
       help="halo transport of overlap/ranks (default staged on cuda, mpi on cpu)")
-    a("--max-bytes", type=int, default=64 << 20, help="sizes: largest message")
-    a("--repeats", type=int, default=10, help="timed repeats per figure (median)")
+    a("--max-bytes", type=positive_int, default=64 << 20, help="sizes: largest message")
+    a("--repeats", type=positive_int, default=10, help="timed repeats per figure (median)")
     a("--delay-ms", type=float, nargs="+", help="overlap: injected per-halo-exchange delay(s) "
       f"(default {DEFAULT_DELAYS_MS['cuda']} on cuda, {DEFAULT_DELAYS_MS['cpu']} on cpu)")
     a("--voxel-size", type=float, default=0.03, help="scene: metres per voxel")
-    a("--points", type=int, default=1_000_000, help="scene: points of the synthetic room")
-    a("--width", type=int, default=16)
-    a("--depth", type=int, default=4)
+    a("--points", type=positive_int, default=1_000_000, help="scene: points of the synthetic room")
+    a("--width", type=positive_int, default=16)
+    a("--depth", type=positive_int, default=4)
     a("--trace", metavar="DIR", help="write a torch.profiler Chrome trace per rank there")
-    a("--trace-steps", type=int, default=3)
+    a("--trace-steps", type=positive_int, default=3)
     return p
 
 

@@ -42,6 +42,7 @@ import halo
 from halo.balance import bin_widths, grid_histogram
 from halo.synth import clustered_cloud, shell_cloud, with_batch
 from sparsepipe_hpc.bench.common import environment, write_json
+from sparsepipe_hpc.bench._args import nonneg_int, positive_int
 
 __all__ = ["main"]
 
@@ -233,10 +234,11 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench halo",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the results here (rank 0)")
-    ap.add_argument("--min-bytes", type=int, default=1 << 10)
-    ap.add_argument("--max-bytes", type=int, default=16 << 20)
-    ap.add_argument("--plan-voxels", type=int, default=200_000, help="voxels per rank")
-    ap.add_argument("--trials", type=int, default=15, help="interleaved trials per message size")
+    ap.add_argument("--min-bytes", type=nonneg_int, default=1 << 10)
+    ap.add_argument("--max-bytes", type=positive_int, default=16 << 20)
+    ap.add_argument("--plan-voxels", type=positive_int, default=200_000, help="voxels per rank")
+    ap.add_argument("--trials", type=positive_int, default=15,
+                    help="interleaved trials per message size")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke run)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -42,6 +42,7 @@ from sparsepipe_hpc.bench._activations import SavedTensorMeter
 from sparsepipe_hpc.bench.common import environment, write_json
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.tracing import Recorder, Span, recording
+from sparsepipe_hpc.bench._args import positive_int
 
 __all__ = ["main", "make_batch", "bubble_from_spans"]
 
@@ -250,16 +251,16 @@ def main(argv: list[str]) -> None:
 
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench pipeline")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--batch", type=int, default=8, help="global batch (samples)")
-    p.add_argument("--points", type=int, default=40_000, help="points per room")
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--batch", type=positive_int, default=8, help="global batch (samples)")
+    p.add_argument("--points", type=positive_int, default=40_000, help="points per room")
     p.add_argument("--room", type=float, default=3.5, help="room side (m)")
     p.add_argument("--voxel-size", type=float, default=0.05)
-    p.add_argument("--width", type=int, default=16)
-    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--width", type=positive_int, default=16)
+    p.add_argument("--depth", type=positive_int, default=3)
     p.add_argument("--balance", help="blocks per stage, e.g. 4,4 (default: the split whose "
                    "stages' measured forward+backward times are most equal)")
-    p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--micro-batches", type=positive_int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--schedules", nargs="+", choices=["gpipe", "1f1b"], default=["gpipe", "1f1b"])
     p.add_argument("--compare", nargs="*", choices=["data", "spatial"], default=["data", "spatial"])
     args = p.parse_args(argv)

@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from sparsepipe_hpc.bench._args import nonneg_int, positive_int
+
 __all__ = ["main", "PLANS"]
 
 #: (replicas, stages, grid, micro-batches): ranks 1-4, every kind of parallelism.
@@ -194,11 +196,11 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench planner")
     a = p.add_argument
     a("--json", metavar="FILE")
-    a("--steps", type=int, default=5)
-    a("--warmup", type=int, default=2)
-    a("--repeats", type=int, default=5, help="profile timing repeats")
+    a("--steps", type=positive_int, default=5)
+    a("--warmup", type=nonneg_int, default=2)
+    a("--repeats", type=positive_int, default=5, help="profile timing repeats")
     a("--slow-factor", type=float, default=2.0)
-    a("--slow-rank", type=int, default=1)
+    a("--slow-rank", type=nonneg_int, default=1)
     a("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--replicas", "--stages", "--micro-batches"):
         a(name, type=int, default=1, help=argparse.SUPPRESS)

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from sparsepipe_hpc.bench.common import environment, write_json
+from sparsepipe_hpc.bench._args import positive_int
 
 __all__ = ["main", "build_parser"]
 
@@ -33,10 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Trainer step time with the next batch read in line vs on a worker thread (--prefetch). "
         "Trainer options go after --."))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: the "
-                   "trainer's: 1 on a CPU, the rank's share of the node's cores on a GPU)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per mode and round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="compute threads (default: the trainer's: 1 on a CPU, the rank's share "
+                   "of the node's cores on a GPU)")
+    p.add_argument("--steps", type=positive_int, default=8, help="timed steps per mode and round")
+    p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--json", metavar="FILE")
     p.add_argument("trainer_args", nargs="*", help="options for the trainer (after --)")
     return p

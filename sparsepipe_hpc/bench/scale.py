@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from sparsepipe_hpc.data.floor import write_floor
+from sparsepipe_hpc.bench._args import positive_int
 
 __all__ = ["main", "write_floor"]
 
@@ -182,25 +183,25 @@ def _summary(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench scale")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--points", type=int, default=4_000_000, help="points in the scene")
-    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--points", type=positive_int, default=4_000_000, help="points in the scene")
+    p.add_argument("--ranks", type=positive_int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--voxel-size", type=float, default=0.02)
     p.add_argument("--chunk-size", type=float, default=0.5,
                    help="metres per chunk of the scene's chunked layout; 0: point-range layout")
-    p.add_argument("--rooms", type=int, nargs=2, default=(2, 2), metavar=("X", "Y"),
+    p.add_argument("--rooms", type=positive_int, nargs=2, default=(2, 2), metavar=("X", "Y"),
                    help="rooms of the floor along x and y")
     p.add_argument("--modes", nargs="+", choices=["whole", "distributed"],
                    default=["whole", "distributed"], help="input paths to measure")
-    p.add_argument("--whole-max-ranks", type=int, default=1 << 30,
+    p.add_argument("--whole-max-ranks", type=positive_int, default=1 << 30,
                    help="run the whole-sample path only up to this many ranks (it needs the "
                         "whole sample's memory on every rank)")
     p.add_argument("--step", action="store_true", help="also time a U-Net forward+backward")
     p.add_argument("--no-augment", dest="augment", action="store_false",
                    help="no flips or jitter (each rank draws the jitter of only the "
                         "65536-row blocks it reads)")
-    p.add_argument("--width", type=int, default=8)
-    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--width", type=positive_int, default=8)
+    p.add_argument("--depth", type=positive_int, default=3)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["whole", "distributed"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

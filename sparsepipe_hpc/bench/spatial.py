@@ -29,6 +29,7 @@ from sparsepipe_hpc.bench.common import environment, synthetic_room, time_altern
 from sparsepipe_hpc.nn import SparseUNet
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.layout import RankLayout
+from sparsepipe_hpc.bench._args import positive_int
 
 
 def step_fn(net, x, ctx=None, align=16):
@@ -96,11 +97,11 @@ def timed_all(comm, fn, repeats):
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench spatial")
     p.add_argument("--json")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--width", type=int, default=16)
-    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--width", type=positive_int, default=16)
+    p.add_argument("--depth", type=positive_int, default=4)
     p.add_argument("--delay-ms", type=float, default=20.0, help="injected per-exchange delay")
-    p.add_argument("--dense-sizes", type=int, nargs="*", default=[64, 96, 128])
+    p.add_argument("--dense-sizes", type=positive_int, nargs="*", default=[64, 96, 128])
     p.add_argument("--dense-limit", type=float, default=300.0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from sparsepipe_hpc.bench.common import environment, write_json
 from sparsepipe_hpc.bench.gpu import PRECISIONS, synthetic_rooms, unet_steps
+from sparsepipe_hpc.bench._args import positive_int
 
 __all__ = ["main", "build_parser", "count_traffic"]
 
@@ -81,13 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench traffic")
     p.add_argument("--json")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--rooms", type=int, default=1)
+    p.add_argument("--rooms", type=positive_int, default=1)
     p.add_argument("--voxel-size", type=float, default=0.04)
-    p.add_argument("--points", type=int, default=100_000, help="points per room")
-    p.add_argument("--width", type=int, default=32)
-    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--points", type=positive_int, default=100_000, help="points per room")
+    p.add_argument("--width", type=positive_int, default=32)
+    p.add_argument("--depth", type=positive_int, default=4)
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
-    p.add_argument("--top", type=int, default=25, help="ops printed, most bytes first")
+    p.add_argument("--top", type=positive_int, default=25, help="ops printed, most bytes first")
     return p
 
 

@@ -115,21 +115,34 @@ def check_grid_fits(grid: Sequence[int], shape: Sequence[int], stride: int,
                 f"smaller --voxel-size or a smaller --depth")
 
 
-def check_model_fits(probe: Any, cfg: TrainConfig, available: int | None) -> None:
-    """SetupError when the weights of ``probe`` (the model built on the ``meta`` device: shapes,
-    no memory) alone take more than ``available`` bytes (this machine's free memory; None:
-    unknown, no check), before the real model is built: a --width or --depth too large for
-    the machine then ends with a message, not the kernel's out-of-memory kill. Run under
-    :func:`agree` (free memory differs between nodes)."""
+def check_model_fits(probe: Any, cfg: TrainConfig, available: int | None,
+                     ranks_sharing: int = 1) -> None:
+    """SetupError when the training state of ``probe`` (the model built on the ``meta``
+    device: shapes, no memory) takes more than ``available`` bytes (this machine's free memory;
+    None: unknown, no check) shared by ``ranks_sharing`` ranks (a node's CPU ranks share its
+    memory), before the real model is built: a --width or --depth too large for the machine
+    then ends with a message, not the kernel's out-of-memory kill. The state is float32
+    weights, their gradients and the optimizer's moments (AdamW two, SGD one): 4x or 3x the
+    weights, a floor (activations come on top); with pipeline stages each rank holds a part,
+    so only the weights are counted. Run under :func:`agree` (free memory differs between
+    nodes)."""
+    from sparsepipe_hpc.plan.cost import OPTIMIZER_FACTOR
+
     params = sum(p.numel() for p in probe.parameters())
-    weights = 4 * params  # float32 master weights; gradients and optimizer state come on top
-    if available is not None and weights > available:
-        raise SetupError(
-            f"--model {cfg.model} --width {cfg.width} --depth {cfg.depth} has {params:,} "
-            f"parameters: {weights / 2**30:.1f} GiB of float32 weights alone (gradients and "
-            f"{cfg.optimizer}'s state add as much again, or twice), but this machine has "
-            f"{available / 2**30:.1f} GiB free; use a smaller --width or --depth (channels "
-            f"double at every level)")
+    weights = 4 * params
+    factor = OPTIMIZER_FACTOR.get(cfg.optimizer, 4.0) if cfg.stages <= 1 else 1.0
+    need = factor * weights
+    if available is None or need * ranks_sharing <= available:
+        return
+    what = (f"{need / 2**30:.1f} GiB for its float32 weights, gradients and {cfg.optimizer}'s "
+            f"state ({factor:g}x the weights)" if factor > 1 else
+            f"{need / 2**30:.1f} GiB of float32 weights alone")
+    share = (f" for each of its {ranks_sharing} ranks ({available / ranks_sharing / 2**30:.1f}"
+             f" GiB each)" if ranks_sharing > 1 else "")
+    raise SetupError(
+        f"--model {cfg.model} --width {cfg.width} --depth {cfg.depth} has {params:,} "
+        f"parameters: {what}, but this machine has {available / 2**30:.1f} GiB free{share}; "
+        f"use a smaller --width or --depth (channels double at every level)")
 
 
 def free_memory(device: Any) -> int | None:

@@ -49,6 +49,7 @@ from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.nn import build_model
 from sparsepipe_hpc.nn.functional import BatchNormError
 from halo.transport.collectives import allreduce_
+from launch.env import detect
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.gradients import GradientReducer
 from sparsepipe_hpc.pipeline.carry import parse_balance
@@ -139,7 +140,9 @@ class Trainer:
 
         with torch.device("meta"):  # shapes only: is there room for the weights at all?
             probe = model()
-        agree(comm, lambda: check_model_fits(probe, cfg, free_memory(self.device)))
+        # A node's CPU ranks share its memory; GPU ranks have a device each.
+        sharing = detect(comm).local_size if self.device.type == "cpu" else 1
+        agree(comm, lambda: check_model_fits(probe, cfg, free_memory(self.device), sharing))
         # The same seed on every rank; rank 0's initial weights are broadcast regardless.
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)

@@ -197,6 +197,10 @@ def check_out_dir(out: str | Path, need_bytes: int) -> None:
     """Before step 1: ``out`` exists (created if needed), takes a file, and its file system has
     ``need_bytes`` free (room for the next checkpoint beside the current one)."""
     out = Path(out)
+    for p in (out, *out.parents):  # mkdir would say "File exists", and the disk is not at fault
+        if p.exists() and not p.is_dir():
+            raise OutputError(f"--out {out}: {p} is a file, not a directory; pass --out with a "
+                              f"directory for the run (created where missing)")
     with writing(out, "run directory (--out)"):
         out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "write-test", lambda f: f.write(b"sparsepipe_hpc write test\n"),
