@@ -638,3 +638,19 @@ def test_resume_refuses_other_micro_batches(data, tmp_path):
     with pytest.raises(SetupError, match=r"other options \(--micro-batches 2 -> 1\)"):
         Trainer(tiny(data, tmp_path / "a", "--steps", "2", "--resume", "auto"), MPI.COMM_SELF,
                 log=None)
+
+
+def test_a_plans_balance_for_another_model_names_the_plan():
+    import dataclasses
+
+    from sparsepipe_hpc.pipeline.carry import PipelineError
+    from sparsepipe_hpc.train.loop import _check_balance
+
+    cfg = parse_config(["--width", "4", "--depth", "3"])
+    _check_balance(dataclasses.replace(cfg, balance="5,3"), 8)
+    with pytest.raises(SetupError, match=r"--plan p\.json sets --balance 5,1, for a model of 6 "
+                                         r"blocks, but --model unet --width 4 --depth 3 has 8: "
+                                         r"make the plan for this model"):
+        _check_balance(dataclasses.replace(cfg, balance="5,1", plan="p.json"), 8)
+    with pytest.raises(PipelineError, match="--balance 5,1 sums to 6 but the model has 8"):
+        _check_balance(dataclasses.replace(cfg, balance="5,1"), 8)

@@ -291,12 +291,18 @@ def search(profile: ModelProfile, machine: Machine, batch_size: int,
                                               imbalance, optimizer, voxels_per_sample, ext,
                                               fixed.get("balance") if S > 1 else None))
                     except PartitionError as e:
-                        key = str(e).split(";")[0][:120]
+                        key = str(e).split("; ")[0]  # the reason, without the remedy
                         rejected[key] = rejected.get(key, 0) + 1
     if not plans:
-        why = "; ".join(f"{k} (x{c})" for k, c in list(rejected.items())[:3]) or (
-            f"no layout of {n} ranks fits batch_size {batch_size}, {nblocks} blocks and the "
-            f"fixed values {fixed}")
+        if rejected:
+            top = max(rejected, key=lambda k: rejected[k])  # the commonest reason, in full
+            others = len(rejected) - 1
+            why = (f"{top} (the reason for {rejected[top]} of the {sum(rejected.values())} "
+                   f"layouts tried" + (f"; {others} other reason(s) for the rest" if others
+                                       else "") + ")")
+        else:
+            why = (f"no layout of {n} ranks fits batch_size {batch_size}, {nblocks} blocks and "
+                   f"the fixed values {fixed}")
         raise SearchError(f"no plan fits {n} ranks: {why}; add ranks or memory, or lower "
                           f"--batch-size")
     plans.sort(key=lambda p: (p.step_time, p.stages, p.micro_batches, -p.replicas,

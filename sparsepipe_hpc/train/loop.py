@@ -52,7 +52,7 @@ from halo.transport.collectives import allreduce_
 from launch.env import detect
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.gradients import GradientReducer
-from sparsepipe_hpc.pipeline.carry import parse_balance
+from sparsepipe_hpc.pipeline.carry import PipelineError, parse_balance
 from sparsepipe_hpc.pipeline.runner import Pipeline
 from sparsepipe_hpc.train import checkpoint as ckpt_io
 from sparsepipe_hpc.train import resume, run_files
@@ -73,6 +73,21 @@ from sparsepipe_hpc.train.step import pipeline_logits, pipeline_step, plain_step
 from sparsepipe_hpc.tracing import Recorder, recording
 
 __all__ = ["Trainer", "SetupError", "LrSchedule"]
+
+
+def _check_balance(cfg: TrainConfig, blocks: int) -> None:
+    """``--balance`` against the model's ``blocks``; one from a ``--plan FILE`` made for another
+    model says so (the user may not have passed --balance at all)."""
+    try:
+        parse_balance(str(cfg.balance), blocks)
+    except PipelineError as e:
+        if cfg.plan is None or cfg.plan == "auto":
+            raise
+        raise SetupError(f"--plan {cfg.plan} sets --balance {cfg.balance}, for a model of "
+                         f"{sum(parse_balance(str(cfg.balance), None))} blocks, but --model "
+                         f"{cfg.model} --width {cfg.width} --depth {cfg.depth} has {blocks}: "
+                         f"make the plan for this model (python -m sparsepipe_hpc.plan --model "
+                         f"{cfg.model} --width {cfg.width} --depth {cfg.depth} ...)") from e
 
 
 class Trainer:
@@ -162,6 +177,8 @@ class Trainer:
         self._ahead: Optional[Prefetcher[Any]] = None
         # Pipeline (--stages, --micro-batches): this rank trains its stage's blocks only; eval
         # runs the same stages forward, one micro-batch per batch.
+        if cfg.balance is not None:  # also where no pipeline reads it: it must fit the model
+            agree(comm, lambda: _check_balance(cfg, len(self.model.blocks)))
         if cfg.stages > 1 or cfg.micro_batches > 1:
             stages = self.device_comm.stages  # device payloads: CUDA IPC or host-staged
             amp = self.precision.autocast  # --precision bf16/fp16: every stage's forward
@@ -171,9 +188,6 @@ class Trainer:
                                                      deferred_bn=cfg.deferred_bn))
             self.eval_pipe = Pipeline(self.model, self.ctx, cfg.balance, "gpipe", 1,
                                       transport=stages, autocast=amp)
-        elif cfg.balance is not None:  # no pipeline reads it, but it must fit the model
-            balance: str = cfg.balance
-            agree(comm, lambda: parse_balance(balance, len(self.model.blocks)))
 
         params = list(self.pipe.parameters() if self.pipe else self.model.parameters())
         self.train_params = params
