@@ -116,8 +116,10 @@ class JobSpec:
             raise LaunchError(f"time {self.time!r} is zero")
         _check_count("signal_lead", self.signal_lead, 1)
         if self.scheduler == "slurm" and self.signal_lead >= total:
-            raise LaunchError(f"signal_lead {self.signal_lead} s is not shorter than the time "
-                              f"limit {self.time} ({total} s)")
+            raise LaunchError(f"signal_lead (--signal-lead) {self.signal_lead} s, when SLURM "
+                              f"warns the job before its limit, is not shorter than the time "
+                              f"limit {self.time} ({total} s): pass a longer --time or a "
+                              f"smaller --signal-lead")
         if not _NAME.match(self.job_name):
             raise LaunchError(f"job_name {self.job_name!r} must start with a letter and hold "
                               "only letters, digits, '_', '.', '-' (at most 63)")
