@@ -415,7 +415,7 @@ def test_a_setup_that_fails_after_the_context_frees_what_it_built(data, tmp_path
     real = ParallelContext.close
     monkeypatch.setattr(ParallelContext, "close", lambda self: closed.append(self) or real(self))
     (tmp_path / "file").write_text("x")
-    with pytest.raises(SetupError, match=r"cannot write the run directory"):
+    with pytest.raises(SetupError, match=r"file is a file, not a directory"):
         Trainer(tiny(data, tmp_path / "file" / "run", "--micro-batches", "2"), MPI.COMM_SELF,
                 log=None)
     assert len(closed) == 1
@@ -426,7 +426,7 @@ def test_a_setup_that_fails_after_the_context_frees_what_it_built(data, tmp_path
 # --- --out that cannot take the run (issue 9, item 6) ---------------------------------------------
 def test_out_not_writable_or_too_full_is_refused_before_step_1(data, tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(SetupError, match=r"cannot write the run directory \(--out\) .*file/run"):
+    with pytest.raises(SetupError, match=r"--out .*file/run: .*file is a file, not a directory"):
         Trainer(tiny(data, tmp_path / "file" / "run"), MPI.COMM_SELF, log=None)
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(1 << 30, (1 << 30) - 1000, 1000))
