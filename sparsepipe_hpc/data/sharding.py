@@ -160,15 +160,8 @@ class ShardedBatches:
     def shard(self, batch: list[int]) -> list[int]:
         """This replica's part of a global batch: its shard of each global micro-batch, in
         micro-batch order (:func:`replica_micro_bounds`; one contiguous part for one)."""
-        return [i for lo, hi in self.micro_bounds(len(batch)) for i in batch[lo:hi]]
-
-    def micro_bounds(self, batch_len: int) -> list[tuple[int, int]]:
-        """This replica's micro-batch ranges into a global batch of ``batch_len`` samples."""
-        return replica_micro_bounds(batch_len, self.replicas, self.micro_batches)[self.rank]
-
-    def local_micro_bounds(self, batch_len: int) -> list[tuple[int, int]]:
-        """:func:`local_micro_bounds` of this replica."""
-        return local_micro_bounds(batch_len, self.replicas, self.rank, self.micro_batches)
+        ranges = replica_micro_bounds(len(batch), self.replicas, self.micro_batches)[self.rank]
+        return [i for lo, hi in ranges for i in batch[lo:hi]]
 
     def _normalize(self) -> None:
         if self.step_in_epoch >= self.steps_per_epoch:  # a finished epoch resumes at the next
