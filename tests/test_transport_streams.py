@@ -203,6 +203,24 @@ def test_make_reducer_builds_the_resolved_name():
         make_reducer("ipc", comm)
 
 
+def test_staged_reducer_all_reduces_on_a_communicator_of_its_own():
+    """Its MPI all-reduces start whenever their copies have run: on the caller's communicator a
+    blocking collective of the caller's (GradientReducer's check for gradients anywhere) could
+    come before one on one rank and after it on another, and MPI would match the two."""
+    from mpi4py import MPI
+
+    from halo.transport.staged_reduce import StagedReducer
+
+    red = StagedReducer(MPI.COMM_SELF, SimDevice())
+    assert MPI.Comm.Compare(red.comm, MPI.COMM_SELF) == MPI.CONGRUENT  # a duplicate
+    t = torch.arange(3.0)
+    red.iallreduce_(t).wait()
+    red.close()
+    red.close()  # again: nothing
+    with pytest.raises(TransportError, match="used after close"):
+        red.iallreduce_(t)
+
+
 def test_ipc_reduces_through_the_host_across_nodes(monkeypatch):
     """A group spanning nodes (data-parallel replicas) cannot reach its peers by CUDA IPC: with
     --transport ipc it reduces host-staged."""

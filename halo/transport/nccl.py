@@ -25,16 +25,18 @@ import torch
 
 from halo.transport.base import (CompletedRequest, Peers, Reducer, Request, Transport,
                                  TransportError)
-from halo.transport.streams import Device, Event, Stream
+from halo.transport.streams import Device, Event
 
 __all__ = ["NCCLTransport", "StreamRequest", "nccl_available"]
 
 
 class StreamRequest(Request):
-    """Work enqueued on a stream; ``wait`` makes the compute stream wait for it (no host block)."""
+    """Work enqueued on a stream; ``wait`` makes the stream torch computes on at the time of the
+    wait (as the other transports' waits: autograd's thread may start what the main thread
+    waits for) wait for it, without blocking the host."""
 
-    def __init__(self, done: Event, compute: Stream, keep: list[torch.Tensor]) -> None:
-        self._done, self._compute, self._keep = done, compute, keep
+    def __init__(self, done: Event, device: Device, keep: list[torch.Tensor]) -> None:
+        self._done, self._device, self._keep = done, device, keep
         self._waited = False
 
     def test(self) -> bool:
@@ -42,7 +44,7 @@ class StreamRequest(Request):
 
     def wait(self) -> None:
         if not self._waited:
-            self._compute.wait_event(self._done)
+            self._device.compute.wait_event(self._done)
             self._waited = True
 
 
@@ -128,7 +130,7 @@ class NCCLTransport(Transport, Reducer):
                 self.nccl_comm.send(t.data_ptr(), t.nbytes, nccl.NCCL_UINT8, peer, s)
         finally:
             nccl.groupEnd()
-        return StreamRequest(self.stream.record(), self.device.compute, tensors)
+        return StreamRequest(self.stream.record(), self.device, tensors)
 
     def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
         """Start an in-place all-reduce on the NCCL stream; ``wait`` makes the compute stream
@@ -142,4 +144,4 @@ class NCCLTransport(Transport, Reducer):
         self._enqueue([t])
         self.nccl_comm.allReduce(t.data_ptr(), t.data_ptr(), t.numel(), dtype, ops[op],
                                  self._handle())
-        return StreamRequest(self.stream.record(), self.device.compute, [t])
+        return StreamRequest(self.stream.record(), self.device, [t])

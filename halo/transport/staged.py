@@ -27,6 +27,7 @@ sharing it; docs/gpu.md).
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -84,8 +85,11 @@ class StagedRequest(Request):
         # peer may need one of them before it sends what this request waits for (1F1B with 3+
         # stages: act 1 before grad 0), so post them as their copies finish instead of
         # blocking in MPI with them unsent - a deadlock on a GPU, whose copies lag.
+        polls = 0
         while o._unposted and not (self._host_recv.test() and self._host_send.test()):
             o.progress()
+            polls += 1
+            time.sleep(0 if polls < 100 else 1e-4)  # yield to ranks sharing this core
         self._host_recv.wait()
         self._host_send.wait()
         self._finish()

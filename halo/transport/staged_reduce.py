@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from halo.transport.base import CompletedRequest, Reducer, Request
+from halo.transport.base import CompletedRequest, Reducer, Request, TransportError
 from halo.transport.collectives import mpi_op, mpi_types, raw_buffer
 from halo.transport.streams import Device, Event, StagingPool
 
@@ -90,13 +90,26 @@ class StagedReducer(Reducer):
     host buffers and ``MPI_Iallreduce``; see the module docstring."""
 
     def __init__(self, comm: Any, device: Device) -> None:
-        self.comm, self.device = comm, device
+        # A duplicate (collective): the MPI all-reduces start late, whenever their copies have
+        # run, so a blocking collective of the caller's on ``comm`` could come before one on one
+        # rank and after it on another; MPI would match the two (a silently wrong sum).
+        self.comm: Any = comm.Dup()
+        self.device = device
         self.stream = device.new_stream("reduce")
         self.pool = StagingPool(device)
         self._unstarted: list[_StagedReduction] = []
 
+    def close(self) -> None:
+        """Free the duplicated communicator (collective, once every all-reduce has completed);
+        closing again does nothing, an all-reduce after it raises TransportError."""
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
     def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
         self._check(t, op)
+        if self.comm is None:
+            raise TransportError("StagedReducer: used after close (its communicator is freed)")
         if self.comm.Get_size() == 1:
             return CompletedRequest()
         src = t
