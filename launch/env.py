@@ -46,7 +46,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from mpi4py import MPI
 
 __all__ = [
-    "Placement", "detect", "from_environ", "from_comm", "threads_per_rank", "available_cores",
+    "Placement", "detect", "from_environ", "from_comm", "check_world", "threads_per_rank",
+    "available_cores",
     "ranks_sharing_cores", "expand_tasks_per_node", "prefer_shared_memory", "THREADS_VARIABLE",
 ]
 
@@ -190,6 +191,10 @@ def _pals(env: Mapping[str, str]) -> Placement | None:
         if counts is None:
             raise LaunchError("PALS_RANKID is set but neither PMI_SIZE/PMI_LOCAL_SIZE nor "
                               "PBS_NODEFILE is: cannot tell the world and node sizes")
+        if local_size is None and counts[1] == 0:
+            raise LaunchError(f"this host {host!r} is not in PBS_NODEFILE="
+                              f"{env['PBS_NODEFILE']!r}: cannot tell the ranks on this node; "
+                              "set PMI_LOCAL_SIZE (mpiexec --ppn N sets it)")
         size = counts[0] if size is None else size
         local_size = counts[1] if local_size is None else local_size
     local_rank = _first_int(env, "PALS_LOCAL_RANKID", "PMI_LOCAL_RANK")
@@ -261,6 +266,22 @@ def from_environ(env: Mapping[str, str] | None = None) -> Placement | None:
         if placement is not None:
             return placement
     return None
+
+
+def check_world(world_size: int, env: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`LaunchError` when the launcher started several processes but MPI gives this
+    one a world of 1 (``world_size``, ``COMM_WORLD``'s): each would train alone, all into one
+    ``--out``. The usual cause is an MPI the launcher did not start: ``srun`` without the PMI
+    plugin mpi4py's MPI needs, or another MPI's ``mpirun``."""
+    found = from_environ(env)
+    if found is None or found.size == 1 or world_size != 1:
+        return
+    raise LaunchError(
+        f"{found.launcher} started {found.size} processes, but MPI gives this one a world of "
+        f"{world_size}: mpi4py's MPI was not started by that launcher, so every process would run "
+        "alone (under srun pass the PMI plugin your MPI needs, e.g. srun --mpi=pmix for Open MPI "
+        "5, see 'srun --mpi=list'; under mpirun use the one of the MPI mpi4py is built with, "
+        "'python -c \"import mpi4py; print(mpi4py.get_config())\"')")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -409,7 +430,11 @@ def prefer_shared_memory(environ: MutableMapping[str, str] | None = None, *,
     if "OMPI_MCA_pml" in env or "OMPI_MCA_btl" in env:
         return False
     size, local = env.get("OMPI_COMM_WORLD_SIZE"), env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    if size is None and from_environ(env) is not None:
+    try:
+        launcher = from_environ(env)
+    except LaunchError:  # malformed variables: said where the placement is needed, not here
+        return False
+    if size is None and launcher is not None:
         return False  # another launcher: leave its MPI alone
     if size is not None and size != local:
         return False

@@ -23,9 +23,10 @@ import sys
 from collections import defaultdict
 from typing import Any, Sequence
 
-from launch.device import physical_gpu, select_gpu, visible_gpu_count
-from launch.env import (Placement, detect, prefer_shared_memory, ranks_sharing_cores,
-                        threads_per_rank)
+from launch.device import gpu_uuid, physical_gpu, select_gpu, visible_gpu_count
+from launch.env import (Placement, check_world, detect, prefer_shared_memory,
+                        ranks_sharing_cores, threads_per_rank)
+from launch.errors import LaunchError
 
 __all__ = ["summary", "format_line", "problems", "compress_cpus", "main"]
 
@@ -58,6 +59,7 @@ def summary(placement: Placement, mpi_rank: int | None = None,
         "launcher": placement.launcher, "note": placement.note,
         "mpi_rank": placement.rank if mpi_rank is None else mpi_rank,
         "gpu": gpu, "gpu_physical": None if gpu is None else physical_gpu(gpu),
+        "gpu_uuid": None if gpu is None or gpu_count is not None else gpu_uuid(gpu),
         "visible_gpus": count, "threads": threads_per_rank(placement, sharing=sharing),
         "cpus": cpus, "pid": os.getpid(),
     }
@@ -87,11 +89,14 @@ def problems(infos: Sequence[dict[str, Any]]) -> list[str]:
     by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for info in infos:
         by_node[info["node"]].append(info)
-        if info["gpu"] is not None:
-            by_gpu[(info["node"], str(info["gpu_physical"]))].append(info["rank"])
+        if info["gpu"] is not None:  # one GPU seen as device 0 by each rank has a UUID each
+            by_gpu[(info["node"], info.get("gpu_uuid") or str(info["gpu_physical"]))].append(
+                info["rank"])
         if info["mpi_rank"] != info["rank"]:
             found.append(f"rank {info['rank']} ({info['launcher']} variables) is MPI rank "
                          f"{info['mpi_rank']}: the launcher's variables describe another world")
+        if info.get("note"):
+            found.append(f"rank {info['rank']}: {info['note']}")
     for (node, gpu), ranks in sorted(by_gpu.items()):
         if len(ranks) > 1:
             found.append(f"node {node}: GPU {gpu} is shared by ranks {sorted(ranks)}")
@@ -117,9 +122,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         comm = None
     else:
         comm = MPI.COMM_WORLD
-    placement = detect(comm)
-    mine = summary(placement, mpi_rank=None if comm is None else comm.Get_rank(),
-                   sharing=None if comm is None else ranks_sharing_cores(comm))
+    try:
+        check_world(1 if comm is None else comm.Get_size())
+        placement = detect(comm)
+        mine = summary(placement, mpi_rank=None if comm is None else comm.Get_rank(),
+                       sharing=None if comm is None else ranks_sharing_cores(comm))
+    except LaunchError as err:  # a malformed variable, or MPI not started by the launcher
+        print(f"{parser.prog}: error: {err}", file=sys.stderr, flush=True)
+        if comm is not None and comm.Get_size() > 1:
+            comm.Abort(2)  # the others may wait in a collective for this rank
+        raise SystemExit(2) from None
     infos = [mine] if comm is None else comm.gather(mine, root=0)
     if infos is None:  # not rank 0
         return

@@ -49,11 +49,13 @@ SCHEDULERS = ("slurm", "pbs", "local")
 #: Intel MPI (Hydra), HPE Cray PALS.
 MPI_FLAVOURS = ("openmpi", "mpich", "intelmpi", "pals")
 TEMPLATES_VARIABLE = "SPARSEPIPE_JOBS"
-DEFAULT_CPUS_PER_RANK = 8
+DEFAULT_CPUS_PER_RANK = 8  # a GPU rank's host threads; a CPU rank computes on 1 (train --threads)
 DEFAULT_CPU_RANKS_PER_NODE = 4
 
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
-_TIME = re.compile(r"^(\d{1,4}):([0-5]\d):([0-5]\d)$")
+# SLURM's time forms but a bare number: [D-]H..., with minutes and seconds after colons.
+_TIME = re.compile(r"^(?:(\d{1,3})-)?(\d{1,5})(?::(\d{1,2}))?(?::(\d{1,2}))?$")
+_MAX_SIGNAL_LEAD = 0xFFFF  # sbatch --signal refuses a longer warning time
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
 _WORD = re.compile(r"^[A-Za-z0-9_.@+,-]{1,128}$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -70,9 +72,12 @@ class JobSpec:
 
     ``gpus_per_node == 0`` makes a CPU-only job. Ranks per node default to the GPUs per node (one
     rank per GPU, the only layout a GPU job allows), or to 4 for CPU-only jobs. ``cpus_per_rank``
-    defaults to 8 on a cluster and to "cores / ranks" on one machine. ``time`` is ``HH:MM:SS``;
-    ``signal_lead`` is how many seconds before it SLURM sends SIGTERM (the trainer's last
-    checkpoint); ``mpi`` picks the ``mpiexec`` of PBS and the ``mpirun`` of a local run.
+    defaults to 8 for a GPU rank on a cluster (the host reads and voxelizes its samples), 1 for a
+    CPU rank (the trainer computes on one thread there) and "cores / ranks" on one machine.
+    ``time``: ``HH:MM:SS``, ``MM:SS`` or ``D-HH[:MM[:SS]]`` as SLURM reads them, written to the
+    script as ``HH:MM:SS``; ``signal_lead`` is how many seconds before it SLURM sends SIGTERM
+    (the trainer's last checkpoint); ``mpi`` picks the ``mpiexec`` of PBS and the ``mpirun`` of a
+    local run.
     """
 
     scheduler: str
@@ -107,19 +112,16 @@ class JobSpec:
                                   "use --cpu-only for other layouts")
         if self.cpus_per_rank is not None:
             _check_count("cpus_per_rank", self.cpus_per_rank, 1)
-        match = _TIME.match(self.time)
-        if match is None:
-            raise LaunchError(f"time {self.time!r} is not HH:MM:SS (e.g. 02:30:00)")
-        hours, minutes, seconds = (int(g) for g in match.groups())
-        total = hours * 3600 + minutes * 60 + seconds
-        if total == 0:
-            raise LaunchError(f"time {self.time!r} is zero")
+        total = self.seconds
         _check_count("signal_lead", self.signal_lead, 1)
         if self.scheduler == "slurm" and self.signal_lead >= total:
             raise LaunchError(f"signal_lead (--signal-lead) {self.signal_lead} s, when SLURM "
                               f"warns the job before its limit, is not shorter than the time "
                               f"limit {self.time} ({total} s): pass a longer --time or a "
                               f"smaller --signal-lead")
+        if self.scheduler == "slurm" and self.signal_lead > _MAX_SIGNAL_LEAD:
+            raise LaunchError(f"signal_lead (--signal-lead) {self.signal_lead} s is more than "
+                              f"sbatch's --signal takes ({_MAX_SIGNAL_LEAD} s)")
         if not _NAME.match(self.job_name):
             raise LaunchError(f"job_name {self.job_name!r} must start with a letter and hold "
                               "only letters, digits, '_', '.', '-' (at most 63)")
@@ -130,6 +132,18 @@ class JobSpec:
                                   "'_.@+,-' (it goes into a #SBATCH/#PBS line unquoted)")
         if not _MODULE.match(self.module):
             raise LaunchError(f"module {self.module!r} is not a dotted Python module name")
+
+    @property
+    def seconds(self) -> int:
+        """The time limit in seconds, from ``time`` in any of SLURM's forms but a bare number
+        (``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``)."""
+        return _time_seconds(self.time)
+
+    @property
+    def walltime(self) -> str:
+        """The time limit as ``H:MM:SS`` (hours past 24 as they are), which SLURM and PBS read."""
+        minutes, seconds = divmod(self.seconds, 60)
+        return f"{minutes // 60:02d}:{minutes % 60:02d}:{seconds:02d}"
 
     @property
     def cpu_only(self) -> bool:
@@ -146,6 +160,35 @@ class JobSpec:
     def ntasks(self) -> int:
         """MPI ranks in the job: nodes x ranks per node."""
         return self.nodes * self.ranks
+
+
+def _time_seconds(text: str) -> int:
+    """Seconds in the time limit ``text`` (see :attr:`JobSpec.seconds`)."""
+    match = _TIME.match(text.strip())
+    if match is None:
+        raise LaunchError(f"time {text!r} is not HH:MM:SS, MM:SS, D-HH, D-HH:MM or D-HH:MM:SS "
+                          "(e.g. 02:30:00, 1-12:00): the trainer's last checkpoint needs a "
+                          "finite limit")
+    days, first, *rest = match.groups()
+    if days is None and rest[0] is None:
+        minutes = int(first)
+        raise LaunchError(f"time {text!r} is ambiguous (minutes to SLURM, seconds to PBS): write "
+                          f"{minutes // 60:02d}:{minutes % 60:02d}:00 for {minutes} minutes")
+    if days is not None:  # D-HH[:MM[:SS]]
+        fields = [int(days) * 24 + int(first)] + [int(r or 0) for r in rest]
+        if int(first) >= 24:
+            raise LaunchError(f"time {text!r}: the hours after the days must be below 24")
+    elif rest[1] is None:  # MM:SS, the minutes unbounded ("90:00" is 90 minutes)
+        fields = [0, int(first), int(rest[0])]
+    else:  # HH:MM:SS
+        fields = [int(first), int(rest[0]), int(rest[1])]
+    hours, minutes, seconds = fields
+    if minutes >= 60 and (days is not None or rest[1] is not None) or seconds >= 60:
+        raise LaunchError(f"time {text!r}: minutes and seconds after a colon must be below 60")
+    total = hours * 3600 + minutes * 60 + seconds
+    if total == 0:
+        raise LaunchError(f"time {text!r} is zero")
+    return total
 
 
 def _check_count(name: str, value: object, minimum: int) -> None:
@@ -172,8 +215,15 @@ def load_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
     where = f"plan {os.fspath(path)!r}"
     if isinstance(plan.get("plans"), list) and plan["plans"] and isinstance(plan["plans"][0], dict):
         plan = plan["plans"][0]   # python -m sparsepipe_hpc.plan --json: the chosen plan first
+    elif isinstance(plan.get("chosen"), dict):
+        plan = plan["chosen"]     # a plan file as the trainer reads it
     if "gpus_per_node" not in plan and "ranks_per_node" in plan:
         plan = {**plan, "gpus_per_node": plan["ranks_per_node"]}
+    if "ranks" in plan and ("nodes" not in plan or "gpus_per_node" not in plan):
+        raise LaunchError(f"{where} lays out {plan['ranks']!r} ranks but names no nodes and "
+                          "gpus_per_node: the planner leaves them out when its ranks do not fill "
+                          "whole nodes, and a job runs as many ranks on every node; plan for a "
+                          "multiple of the ranks per node")
     for key in ("nodes", "gpus_per_node", "grid", "replicas", "stages"):
         if key not in plan:
             raise LaunchError(f"{where} has no {key!r} (needs nodes, gpus_per_node, grid, "
@@ -319,7 +369,7 @@ def _mpirun(spec: JobSpec) -> str:
 def context(spec: JobSpec, command: str = "") -> dict[str, str]:
     """Every placeholder's value for ``spec``; ``command`` is echoed in the script's header."""
     local = spec.scheduler == "local"
-    cpus = spec.cpus_per_rank or DEFAULT_CPUS_PER_RANK
+    cpus = spec.cpus_per_rank or (1 if spec.cpu_only else DEFAULT_CPUS_PER_RANK)
     directive = {"slurm": ("#SBATCH --account={}", "#SBATCH --partition={}"),
                  "pbs": ("#PBS -A {}", "#PBS -q {}"),
                  "local": ("", "")}[spec.scheduler]
@@ -331,7 +381,7 @@ def context(spec: JobSpec, command: str = "") -> dict[str, str]:
         "ntasks": str(spec.ntasks),
         "cpus_per_rank": "auto" if local and spec.cpus_per_rank is None else str(cpus),
         "cpus_per_node": str(spec.ranks * cpus),
-        "time": spec.time,
+        "time": spec.walltime,
         "signal_lead": str(spec.signal_lead),
         "account_directive": directive[0].format(spec.account) if spec.account else "",
         "queue_directive": directive[1].format(spec.queue) if spec.queue else "",
@@ -372,28 +422,39 @@ def _parser() -> argparse.ArgumentParser:
     add("--ranks-per-node", type=int,
         help=f"CPU-only ranks per node (default {DEFAULT_CPU_RANKS_PER_NODE})")
     add("--cpus-per-rank", type=int,
-        help=f"CPU cores (threads) per rank (default {DEFAULT_CPUS_PER_RANK}; "
-             "local: cores / ranks)")
-    add("--time", default="01:00:00", help="wall-clock limit HH:MM:SS (default 01:00:00)")
+        help=f"CPU cores (threads) per rank (default {DEFAULT_CPUS_PER_RANK} per GPU rank, 1 per "
+             "CPU rank, which the trainer computes on; local: cores / ranks)")
+    add("--time", help="wall-clock limit HH:MM:SS, MM:SS or D-HH[:MM[:SS]] (default 01:00:00)")
     add("--account", help="account / project to charge (#SBATCH --account, #PBS -A)")
     add("--partition", "--queue", dest="queue", help="partition (SLURM) or queue (PBS)")
     add("--job-name", default="sparsepipe")
-    add("--mpi", choices=MPI_FLAVOURS, default="openmpi",
+    add("--mpi", choices=MPI_FLAVOURS,
         help="MPI whose mpiexec/mpirun the PBS and local scripts call (default openmpi)")
     add("--module", default="sparsepipe_hpc.train", help="module to run (default %(default)s)")
-    add("--signal-lead", type=int, default=120,
-        help="SLURM: seconds before the time limit to send SIGTERM for a last checkpoint")
+    add("--signal-lead", type=int,
+        help="SLURM: seconds before the time limit to send SIGTERM for a last checkpoint "
+             "(default 120)")
     add("--plan", help="plan JSON from the planner: nodes, gpus_per_node, grid, replicas, stages")
     add("--templates",
         help=f"the jobs/ folder (default: beside the package, or ${TEMPLATES_VARIABLE})")
     return parser
 
 
+def ignored_options(options: argparse.Namespace) -> list[str]:
+    """The options given that the scheduler's script does not use."""
+    unused = {"local": ("time", "account", "queue", "signal_lead"), "slurm": ("mpi",),
+              "pbs": ("signal_lead",)}[options.scheduler]
+    flags = {"queue": "--partition/--queue", "mpi": "--mpi"}
+    return [flags.get(name, "--" + name.replace("_", "-")) for name in unused
+            if getattr(options, name) is not None]
+
+
 def spec_from_options(options: argparse.Namespace, trainer_args: Sequence[str]) -> JobSpec:
     common: dict[str, Any] = dict(
-        scheduler=options.scheduler, cpus_per_rank=options.cpus_per_rank, time=options.time,
-        account=options.account, queue=options.queue, job_name=options.job_name, mpi=options.mpi,
-        module=options.module, signal_lead=options.signal_lead)
+        scheduler=options.scheduler, cpus_per_rank=options.cpus_per_rank,
+        time=options.time or "01:00:00", account=options.account, queue=options.queue,
+        job_name=options.job_name, mpi=options.mpi or "openmpi", module=options.module,
+        signal_lead=120 if options.signal_lead is None else options.signal_lead)
     if options.plan:
         if options.ranks_per_node is not None:
             raise LaunchError("--ranks-per-node conflicts with --plan (the plan sets the layout)")
@@ -425,4 +486,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         script = render(spec_from_options(options, trainer_args), options.templates, command)
     except LaunchError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
+    for flag in ignored_options(options):
+        print(f"{parser.prog}: note: {flag} does nothing for --scheduler {options.scheduler}",
+              file=sys.stderr)
     sys.stdout.write(script)

@@ -61,7 +61,7 @@ import traceback
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from launch.env import from_environ, prefer_shared_memory
+from launch.env import check_world, from_environ, prefer_shared_memory
 from launch.errors import LaunchError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -220,11 +220,18 @@ def _mpi_imported(module: Any) -> None:
     """
     global _exit_comm
     try:
-        if (module.Is_initialized() and not module.Is_finalized()
-                and module.COMM_WORLD.Get_size() > 1):
+        live = module.Is_initialized() and not module.Is_finalized()
+        size = module.COMM_WORLD.Get_size() if live else 0
+        if size > 1:
             _exit_comm = module.COMM_WORLD.Dup()
     except Exception:  # noqa: BLE001 - no exit check rather than a failed import of MPI
-        _exit_comm = None
+        _exit_comm, size = None, 0
+    if size == 1:
+        try:
+            check_world(1)
+        except LaunchError as err:  # each process alone: it cannot abort the others, only leave
+            _say(0, f"launch run: {err}")
+            raise SystemExit(2) from None
 
 
 class _ThenCall(importlib.abc.Loader):
@@ -387,6 +394,13 @@ def _run_target(args: list[str]) -> None:
         runpy.run_path(path, run_name="__main__")
 
 
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that is missing, or an empty name
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m launch run [--exit-timeout S] [-m module | -c command | script.py] args...``."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -415,9 +429,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args[0].startswith("-") and not os.path.isfile(args[0]):
         print(f"launch run: script {args[0]!r} does not exist or is not a file", file=sys.stderr)
         raise SystemExit(2)
-    prefer_shared_memory()  # before the target initializes MPI
+    try:
+        prefer_shared_memory()  # before the target initializes MPI
+    except LaunchError as err:
+        print(f"launch run: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     abort_on_exception()
     _watch_mpi_import()
+    if args[0] == "-m" and not _module_exists(args[1]):  # may import its parent packages
+        print(f"launch run: no module named {args[1]!r} (python {sys.executable}; is the "
+              "environment that has it active?)", file=sys.stderr)
+        raise SystemExit(2)
     try:
         _run_target(args)
     except Terminated:

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from launch import env as launch_env
-from launch.env import (Placement, detect, expand_tasks_per_node, from_environ, threads_per_rank)
+from launch.env import (Placement, check_world, detect, expand_tasks_per_node, from_environ,
+                        threads_per_rank)
 from launch.errors import LaunchError
 
 # Every variable any reader looks at; cleared before each test so the host's own job (a CI runner
@@ -89,6 +90,15 @@ def test_pbs_pals_sizes_from_nodefile(monkeypatch, tmp_path):
     setenv(monkeypatch, PBS_NODEFILE=nodefile, PALS_RANKID=2, PALS_LOCAL_RANKID=2, PALS_NODEID=0)
     p = detect()
     assert (p.rank, p.size, p.local_rank, p.local_size, p.node) == (2, 8, 2, 4, host)
+
+
+def test_pbs_pals_host_missing_from_the_nodefile_is_named(monkeypatch, tmp_path):
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("other1\nother2\n")
+    monkeypatch.setattr(launch_env.socket, "gethostname", lambda: "me")
+    setenv(monkeypatch, PBS_NODEFILE=nodefile, PALS_RANKID=1, PALS_LOCAL_RANKID=0)
+    with pytest.raises(LaunchError, match=r"host 'me' is not in PBS_NODEFILE=.*PMI_LOCAL_SIZE"):
+        detect()
 
 
 def test_cray_pmi(monkeypatch):
@@ -175,6 +185,29 @@ def test_environment_of_another_world_is_overruled_by_the_communicator(monkeypat
     p = detect(_Comm(0, 1))
     assert (p.size, p.launcher) == (1, "mpi")
     assert "world size 8" in p.note and "slurm" in p.note
+
+
+@pytest.mark.parametrize("values, world, launcher", [
+    ({"SLURM_STEP_ID": 0, "SLURM_PROCID": 1, "SLURM_STEP_NUM_TASKS": 4, "SLURM_LOCALID": 1,
+      "SLURM_STEP_TASKS_PER_NODE": "4"}, 1, "slurm"),
+    ({"OMPI_COMM_WORLD_RANK": 0, "OMPI_COMM_WORLD_SIZE": 2, "OMPI_COMM_WORLD_LOCAL_RANK": 0,
+      "OMPI_COMM_WORLD_LOCAL_SIZE": 2}, 1, "openmpi"),
+])
+def test_processes_that_mpi_sees_alone_are_refused(monkeypatch, values, world, launcher):
+    setenv(monkeypatch, **values)
+    with pytest.raises(LaunchError, match=rf"{launcher} started \d processes, but MPI gives "
+                                          r"this one a world of 1.*srun --mpi=pmix"):
+        check_world(world)
+    check_world(int(values.get("SLURM_STEP_NUM_TASKS", values.get("OMPI_COMM_WORLD_SIZE"))))
+
+
+def test_a_lone_process_or_a_sub_world_passes_the_world_check(monkeypatch):
+    check_world(1)  # no launcher
+    setenv(monkeypatch, SLURM_STEP_ID=0, SLURM_PROCID=0, SLURM_STEP_NUM_TASKS=1, SLURM_LOCALID=0,
+           SLURM_STEP_TASKS_PER_NODE="1")
+    check_world(1)
+    setenv(monkeypatch, SLURM_STEP_NUM_TASKS=4, SLURM_STEP_TASKS_PER_NODE="4")
+    check_world(2)  # another size than 1: detect() says so in its note, launch info warns
 
 
 def test_environment_matching_the_communicator_is_kept(monkeypatch):

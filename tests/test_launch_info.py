@@ -75,6 +75,15 @@ def test_problems_flags_shared_gpus_oversubscription_and_mismatch():
     assert any("MPI rank 3" in p for p in problems([_info(0, mpi_rank=3)]))
 
 
+def test_problems_tell_gpus_apart_by_uuid_and_report_notes():
+    own = [_info(r, gpu=0, physical="0", threads=1) | {"gpu_uuid": f"GPU-{r}"} for r in range(4)]
+    assert problems(own) == []  # srun --gpus-per-task=1: each rank's own GPU is its device 0
+    same = [_info(r, gpu=0, physical="0", threads=1) | {"gpu_uuid": "GPU-a"} for r in range(2)]
+    assert problems(same) == ["node n1: GPU GPU-a is shared by ranks [0, 1]"]
+    noted = _info(0) | {"note": "slurm variables say world size 4, the communicator has 2"}
+    assert problems([noted]) == [f"rank 0: {noted['note']}"]
+
+
 def test_info_alone(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launch", "info"], env=_env(), cwd=tmp_path,
                           capture_output=True, text=True, timeout=60, check=True)

@@ -90,7 +90,7 @@ def _check_common(script: str, spec: JobSpec) -> None:
     # The BTL's name depends on the Open MPI version: 'launch run' picks it; no script names it.
     assert (exports.get("OMPI_MCA_pml"), exports.get("OMPI_MCA_btl")) == (None, None)
     if not local:
-        cpus = str(spec.cpus_per_rank or 8)
+        cpus = str(spec.cpus_per_rank or (1 if spec.cpu_only else 8))
         assert exports["OMP_NUM_THREADS"] == exports["SPARSEPIPE_THREADS"] == cpus
     assert "NCCL_IB_DISABLE=" not in script.replace("# ", "")  # documented, never set
 
@@ -113,7 +113,7 @@ def test_slurm_scripts(spec, tmp_path):
     _check_common(script, spec)
     d = _sbatch(script)
     per_node = spec.gpus_per_node or spec.ranks_per_node
-    cpus = str(spec.cpus_per_rank or 8)
+    cpus = str(spec.cpus_per_rank or (1 if spec.cpu_only else 8))
     assert int(d["--nodes"]) == spec.nodes
     assert int(d["--ntasks"]) == spec.nodes * per_node == spec.ntasks
     assert int(d["--ntasks-per-node"]) == per_node
@@ -147,7 +147,7 @@ def test_pbs_scripts(spec, tmp_path):
     _check_shell(script, tmp_path)
     _check_common(script, spec)
     per_node = spec.gpus_per_node or spec.ranks_per_node
-    cpus = spec.cpus_per_rank or 8
+    cpus = spec.cpus_per_rank or (1 if spec.cpu_only else 8)
     lines = _directives(script, "#PBS ")
     select = [line for line in lines if line.startswith("-l select=")]
     assert len(select) == 1
@@ -276,6 +276,17 @@ def test_bad_plans_are_named(tmp_path, values, words):
         assert word in str(info.value)
 
 
+def test_plan_as_the_trainer_reads_it_and_plans_that_do_not_fill_nodes(tmp_path):
+    chosen = {"nodes": 1, "gpus_per_node": 2, "grid": [2, 1, 1], "replicas": 1, "stages": 1}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"chosen": chosen}))
+    assert load_plan(path)["grid"] == [2, 1, 1]
+    uneven = {"grid": [6, 1, 1], "replicas": 1, "stages": 1, "ranks": 6}  # 6 ranks, 4 per node
+    path.write_text(json.dumps({"plans": [uneven]}))
+    with pytest.raises(LaunchError, match="lays out 6 ranks but names no nodes"):
+        load_plan(path)
+
+
 def test_plan_missing_key_and_bad_json(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"nodes": 1, "gpus_per_node": 4, "grid": [1, 1, 4]}))
@@ -302,8 +313,13 @@ def test_plan_conflicts(tmp_path):
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"scheduler": "lsf"}, ["scheduler 'lsf'", "slurm"]),
-    ({"scheduler": "slurm", "time": "1:00"}, ["time '1:00'", "HH:MM:SS"]),
-    ({"scheduler": "slurm", "time": "01:61:00"}, ["HH:MM:SS"]),
+    ({"scheduler": "slurm", "time": "30"}, ["time '30' is ambiguous", "00:30:00"]),
+    ({"scheduler": "slurm", "time": "01:61:00"}, ["time '01:61:00'", "below 60"]),
+    ({"scheduler": "slurm", "time": "1-24:00"}, ["time '1-24:00'", "below 24"]),
+    ({"scheduler": "pbs", "time": "UNLIMITED"}, ["time 'UNLIMITED'", "D-HH:MM:SS", "finite"]),
+    ({"scheduler": "slurm", "time": "0:00:00"}, ["time '0:00:00' is zero"]),
+    ({"scheduler": "slurm", "time": "48:00:00", "signal_lead": 70000},
+     ["signal_lead (--signal-lead) 70000", "65535"]),
     ({"scheduler": "slurm", "time": "00:01:00"}, ["signal_lead (--signal-lead) 120", "00:01:00",
                                                  "smaller --signal-lead"]),
     ({"scheduler": "slurm", "account": "x; rm -rf /"}, ["account 'x; rm -rf /'", "unquoted"]),
@@ -320,6 +336,26 @@ def test_bad_options_are_named(kwargs, words):
         JobSpec(**kwargs)
     for word in words:
         assert word in str(info.value)
+
+
+@pytest.mark.parametrize("time, walltime", [
+    ("02:30:00", "02:30:00"), ("48:00:00", "48:00:00"), ("0:05:00", "00:05:00"),
+    ("90:00", "01:30:00"), ("30:15", "00:30:15"), ("1-12", "36:00:00"), ("1-12:30", "36:30:00"),
+    ("2-00:00:00", "48:00:00"), ("7-23:59:59", "191:59:59")])
+def test_time_limits_in_slurm_forms_are_written_as_hours(time, walltime):
+    for scheduler, line in (("slurm", f"#SBATCH --time={walltime}\n"),
+                            ("pbs", f"#PBS -l walltime={walltime}\n")):
+        spec = JobSpec(scheduler, time=time, signal_lead=1)
+        assert spec.walltime == walltime
+        assert line in render(spec)
+
+
+def test_cpu_ranks_reserve_the_one_core_the_trainer_computes_on():
+    d = _sbatch(render(JobSpec("slurm", gpus_per_node=0, ranks_per_node=16)))
+    assert (d["--ntasks-per-node"], d["--cpus-per-task"]) == ("16", "1")
+    assert _sbatch(render(JobSpec("slurm", gpus_per_node=4)))["--cpus-per-task"] == "8"
+    d = _sbatch(render(JobSpec("slurm", gpus_per_node=0, cpus_per_rank=4)))
+    assert d["--cpus-per-task"] == "4"
 
 
 def test_fill_drops_lone_empty_placeholders_and_names_missing_ones():
@@ -381,6 +417,12 @@ def test_command_line_cpu_only_and_plan(tmp_path):
 def test_command_line_errors_exit_2(tmp_path):
     proc = _job("--scheduler", "slurm", "--time", "forever", check=False)
     assert proc.returncode == 2 and "time 'forever' is not HH:MM:SS" in proc.stderr
+    proc = _job("--scheduler", "local", "--cpu-only", "--time", "1-00", "--account", "a")
+    assert "--time does nothing for --scheduler local" in proc.stderr
+    assert "--account does nothing" in proc.stderr and "#!/" in proc.stdout
+    proc = _job("--scheduler", "slurm", "--mpi", "mpich")
+    assert "--mpi does nothing for --scheduler slurm" in proc.stderr
+    assert "does nothing" not in _job("--scheduler", "pbs", "--mpi", "mpich").stderr
     proc = _job("--scheduler", "slurm", "--templates", str(tmp_path), check=False)
     assert proc.returncode == 2 and "job templates not found" in proc.stderr
     proc = _job("--scheduler", "slurm", "--gpus-per-node", "0", check=False)

@@ -400,6 +400,8 @@ def test_runs_a_command(tmp_path):
     (["missing.py"], "script 'missing.py' does not exist"),
     (["--exit-timeout"], "--exit-timeout needs a number of seconds"),
     (["--exit-timeout", "soon", "x.py"], "--exit-timeout 'soon' is not a number of seconds"),
+    (["-m", "no_such_module"], "no module named 'no_such_module'"),
+    (["-m", "no_such.module"], "no module named 'no_such.module'"),
 ])
 def test_bad_command_lines_exit_2(tmp_path, args, message):
     proc = subprocess.run(_launch(*args), env=_env(), cwd=tmp_path, capture_output=True,
@@ -414,3 +416,22 @@ def test_top_level_command_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launch", "--help"], env=_env(), cwd=tmp_path,
                           capture_output=True, text=True, timeout=60, check=True)
     assert all(word in proc.stdout for word in ("info", "run", "job"))
+
+
+_SLURM_STEP_OF_2 = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
+                    "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0"}
+
+
+@pytest.mark.parametrize("command", [
+    ["-m", "launch", "run", "-c", "from mpi4py import MPI; print('trained alone')"],
+    ["-m", "launch", "info"],
+    ["-m", "sparsepipe_hpc.train", "--steps", "1"],
+])
+def test_a_process_that_mpi_sees_alone_in_a_launcher_step_stops(tmp_path, command):
+    """srun started 2 tasks, but MPI was not started by it (an srun without the PMI plugin the
+    MPI needs): each process alone would train on its own into one --out."""
+    proc = subprocess.run([sys.executable, *command], env={**_env(), **_SLURM_STEP_OF_2},
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "slurm started 2 processes, but MPI gives this one a world of 1" in proc.stderr
+    assert "trained alone" not in proc.stdout and not list(tmp_path.iterdir())

@@ -194,3 +194,14 @@ def test_halo_time_is_the_links_on_any_device():
     assert halos[0].halo == pytest.approx(halos[1].halo)
     assert halos[1].compute == pytest.approx(tuple(2 * c for c in halos[0].compute))
     assert halos[1].stage_times[0] == pytest.approx(2 * halos[0].compute[0] + halos[0].halo[0])
+
+
+def test_a_plan_names_its_job_layout_only_where_it_fills_whole_nodes():
+    m = Machine.uniform(6, 4, intra=LINK, inter=LINK)   # nodes of 4 and 2 ranks
+    p = evaluate(profile(), m, replicas=6, stages=1, grid=(1, 1, 1), micro_batches=1,
+                 batch_size=6)
+    assert "nodes" not in p.to_dict(m) and p.to_dict(m)["ranks"] == 6
+    m = Machine.uniform(8, 4, intra=LINK, inter=LINK)
+    p = evaluate(profile(), m, replicas=8, stages=1, grid=(1, 1, 1), micro_batches=1,
+                 batch_size=8)
+    assert (p.to_dict(m)["nodes"], p.to_dict(m)["gpus_per_node"]) == (2, 4)

@@ -40,6 +40,8 @@ export PYTHONFAULTHANDLER=1             # a crash in C prints the Python stack
 # One GPU per rank: every rank sees its node's {{gpus_per_node}} GPUs and takes GPU (local rank mod
 # {{gpus_per_node}}) (launch.device.select_gpu), which keeps NCCL's peer-to-peer paths between them.
 # --kill-on-bad-exit ends the step when a rank fails; 'launch run' aborts all ranks on an exception.
+# srun must start the MPI mpi4py uses: if 'launch info' below stops with "MPI gives this one a
+# world of 1", add the PMI plugin it needs (--mpi=pmix for Open MPI 5; 'srun --mpi=list').
 # SIGTERM arrives {{signal_lead}} s before the time limit: the trainer writes a last checkpoint.
 SRUN=(srun --ntasks={{ntasks}} --ntasks-per-node={{ranks_per_node}} --cpus-per-task={{cpus_per_rank}}
       --cpu-bind=cores --kill-on-bad-exit=1)

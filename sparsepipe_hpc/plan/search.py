@@ -105,9 +105,9 @@ class Plan:
         d = asdict(self)
         d["grid"] = list(self.grid)
         d["ranks"] = self.ranks
-        if machine is not None:   # what `python -m launch job --plan` needs
-            per = min(machine.ranks_per_node, self.ranks)
-            d.update(nodes=-(-self.ranks // per), gpus_per_node=per)
+        per = 0 if machine is None else min(machine.ranks_per_node, self.ranks)
+        if per and self.ranks % per == 0:  # what `python -m launch job --plan` needs: a job
+            d.update(nodes=self.ranks // per, gpus_per_node=per)  # puts as many on every node
         return d
 
 

@@ -30,7 +30,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad input)."""
     # For OpenMP code that reads it later (torch's own pool is sized below by --threads).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from launch.env import prefer_shared_memory
+    from launch.env import check_world, prefer_shared_memory
+    from launch.errors import LaunchError
     from launch.run import abort_on_exception, install_sigterm_handler
 
     prefer_shared_memory()  # before MPI starts: on one node, skip probing network transports
@@ -51,6 +52,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from sparsepipe_hpc.train.output import OutputError
 
     comm = MPI.COMM_WORLD
+    try:
+        check_world(comm.Get_size())  # srun or mpirun that started processes MPI sees alone
+    except LaunchError as e:  # every such process is alone: it can only leave
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from e
     from sparsepipe_hpc.deps import DependencyError, check_spconv
 
     user_errors = (ConfigError, LayoutError, SetupError, CheckpointError, DataFormatError,
