@@ -56,8 +56,9 @@ def voxelize(points: np.ndarray | torch.Tensor, feats: np.ndarray | torch.Tensor
     if not torch.isfinite(pts).all():
         bad = int((~torch.isfinite(pts)).any(1).sum())
         raise VoxelizeError(f"{name} has {bad} point(s) with NaN or inf coordinates")
-    if voxel_size <= 0:
-        raise VoxelizeError(f"voxel_size must be > 0; got {voxel_size}")
+    if not 0 < voxel_size < float("inf"):
+        raise VoxelizeError(f"voxel_size must be a positive, finite number of metres; got "
+                            f"{voxel_size}")
     if feats is None:
         f = torch.ones(len(pts), 1, dtype=torch.float32)
     else:
@@ -85,7 +86,11 @@ def voxelize(points: np.ndarray | torch.Tensor, feats: np.ndarray | torch.Tensor
     lab = None
     k = 0
     if labels is not None:
-        lab = torch.as_tensor(np.asarray(labels), dtype=torch.int64).reshape(-1)[inside]
+        raw = np.asarray(labels)
+        if raw.shape != (len(pts),) or raw.dtype.kind not in "iu":
+            raise VoxelizeError(f"labels of {name} are {raw.dtype} of shape {list(raw.shape)}; "
+                                f"expected integers of shape [{len(pts)}], one per point")
+        lab = torch.as_tensor(raw, dtype=torch.int64)[inside]
         k = int(num_classes) if num_classes is not None else int(lab.max()) + 1
         if len(lab) and (int(lab.min()) < 0 or int(lab.max()) >= k):
             raise VoxelizeError(f"labels of {name} must lie in [0, {k - 1}]; "

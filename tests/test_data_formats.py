@@ -272,3 +272,50 @@ def test_modelnet_num_points(modelnet_file):
     assert ModelNetDataset(modelnet_file, num_points=8)[0].points.shape == (8, 3)
     with pytest.raises(ValueError, match=r"num_points must lie in \[1, 32\]"):
         ModelNetDataset(modelnet_file, num_points=33)
+
+
+@pytest.mark.parametrize("dtype, stored", [(">f8", np.float64), ("<f8", np.float64),
+                                           (">f4", np.float32), ("i4", np.float64)])
+def test_coordinates_keep_their_precision_whatever_the_byte_order(tmp_path, dtype, stored):
+    """Big-endian doubles (a foreign writer's, a binary PLY's) are doubles: at UTM coordinates
+    a float32 step is 0.25-0.5 m, so voxels would merge."""
+    xyz = np.array([[500000.123, 4200000.456, 100.0], [500003.25, 4200002.5, 102.0]])
+    xyz = np.round(xyz) if dtype == "i4" else xyz
+    path = write_scenes(tmp_path / "utm.h5", [("s", xyz.astype(dtype), None, np.zeros(2, int))],
+                        CLASSES)
+    with h5py.File(path) as f:
+        assert f["scenes/s/xyz"].dtype == stored
+    def foreign(f):  # a foreign writer's file: big-endian doubles, no bounds attributes
+        replace(f, "scenes/s/xyz", xyz.astype(">f8"))
+        del f.attrs["bounds_min"], f.attrs["bounds_max"]
+
+    edit(path, foreign)
+    got = SceneDataset(path)[0].points
+    assert got.dtype == np.float64 and np.array_equal(got, xyz.astype(">f8").astype(np.float64))
+
+
+@pytest.mark.parametrize("name, words", [("Area_1/office_1", "without '/'"), ("", "non-empty"),
+                                         ("s0", "each used once")])
+def test_write_scenes_refuses_names_the_reader_could_not_read(tmp_path, name, words):
+    scenes = [("s0", *scene()), (name, *scene(seed=1))]
+    with pytest.raises(ValueError, match=words):
+        write_scenes(tmp_path / "x.h5", scenes, CLASSES)
+    assert not list(tmp_path.iterdir())  # nothing half-written
+    with pytest.raises(ValueError, match="'e' has no points"):
+        write_scenes(tmp_path / "x.h5", [("e", np.zeros((0, 3)), None, np.zeros(0, int))],
+                     CLASSES)
+
+
+
+def test_a_file_a_writer_holds_open_is_said_to_be_locked(scenes_file):
+    import os
+    import subprocess
+    import sys
+
+    with h5py.File(scenes_file, "a"):  # another process appends to it meanwhile
+        proc = subprocess.run(
+            [sys.executable, "-c", "from sparsepipe_hpc.data.checks import open_h5; "
+             f"open_h5({str(scenes_file)!r})"], capture_output=True, text=True, timeout=120,
+            env={**os.environ, "HDF5_USE_FILE_LOCKING": "TRUE"})
+    assert "DataFormatError" in proc.stderr and "cannot be locked" in proc.stderr, proc.stderr
+    assert "HDF5_USE_FILE_LOCKING=FALSE" in proc.stderr

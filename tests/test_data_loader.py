@@ -126,6 +126,43 @@ def test_voxelize_takes_a_feature_row_per_point():
         voxelize(pts, np.ones((2, 3)), 0.5, (0, 0, 0), (2, 2, 2))  # [C, P]: not reshaped
 
 
+def test_voxelize_refuses_labels_that_are_not_an_integer_per_point_and_odd_voxel_sizes():
+    from sparsepipe_hpc.voxelize import voxelize
+
+    pts = np.array([[0.1, 0.1, 0.1], [0.9, 0.9, 0.9], [0.6, 0.1, 0.1]])
+    with pytest.raises(VoxelizeError, match=r"labels of points are int64 of shape \[2\]; "
+                                            r"expected integers of shape \[3\]"):
+        voxelize(pts, None, 0.5, (0, 0, 0), (2, 2, 2), labels=np.array([0, 1]))
+    with pytest.raises(VoxelizeError, match=r"labels of points are float64"):  # not truncated
+        voxelize(pts, None, 0.5, (0, 0, 0), (2, 2, 2), labels=np.array([0.9, 1.9, 2.7]))
+    for size in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(VoxelizeError, match="positive, finite"):
+            voxelize(pts, None, size, (0, 0, 0), (2, 2, 2))
+
+
+def test_a_grid_without_margin_holds_points_a_rounded_origin_moves_by_a_voxel():
+    """The grid's origin is rounded to 1e-9 m; a point on a voxel face could land one voxel past
+    the end (here z = -1.7 + 4.8 = 3.0999999999999996 at 1 cm: voxel 480 of 480 before)."""
+    from sparsepipe_hpc.voxelize import voxelize
+
+    class Bounds:
+        def __init__(self, lo, hi):
+            self.lo, self.hi = np.array(lo), np.array(hi)
+
+        def bounds(self):
+            return self.lo, self.hi
+
+    rng = np.random.default_rng(0)
+    cases = [([0.0, 0.0, -1.7], [0.5, 0.5, -1.7 + 4.8], 0.01)]
+    for _ in range(2000):
+        lo = np.round(rng.uniform(-50, 50, 3), int(rng.integers(1, 4)))
+        hi = lo + np.round(rng.uniform(0, 5, 3), int(rng.integers(1, 4)))
+        cases.append((lo, hi, float(rng.choice([0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.3]))))
+    for lo, hi, vs in cases:
+        origin, shape = grid_for(Bounds(lo, hi), vs, multiple=1, margin=0.0)
+        voxelize(np.array([lo, hi], dtype=np.float64), None, vs, origin, shape)  # both inside
+
+
 def symmetries(coords, n):
     """The x-y images of a voxel set under flips about the grid centre and the x-y swap."""
     out = []

@@ -100,11 +100,24 @@ def _grid(lo: np.ndarray, hi: np.ndarray, voxel_size: float, multiple: int
     """(first voxel index, padded extent) int64 [3] of the grid holding [lo, hi]; for extents
     :func:`_extent` has found within MAX_EXTENT."""
     first = np.floor(lo / voxel_size).astype(np.int64)
-    last = np.floor(hi / voxel_size).astype(np.int64)  # the voxel holding the highest point
-    n = last - first + 1
-    padded = -(-n // multiple) * multiple
-    first -= (padded - n) // 2  # pad evenly so that the grid's centre stays near the data's
-    return first, padded
+    n = np.floor(hi / voxel_size).astype(np.int64) - first + 1
+    while True:
+        padded = -(-n // multiple) * multiple
+        start = first - (padded - n) // 2  # pad evenly: the grid's centre stays near the data's
+        # Points are placed by floor((p - origin) / voxel) against the rounded origin, which
+        # can put the lowest or highest point one voxel off floor(p / voxel): widen until
+        # both land inside (a point within ~1e-9 m of a voxel face; no margin to absorb it).
+        origin = _origin(start, voxel_size)
+        below = np.floor((lo - origin) / voxel_size) < 0
+        above = np.floor((hi - origin) / voxel_size) >= padded
+        if not (below.any() or above.any()):
+            return start, padded
+        first, n = first - below, n + below + above
+
+
+def _origin(first: np.ndarray, voxel_size: float) -> np.ndarray:
+    """The grid's origin (m) for its first voxel index: rounded, -1.2 not -1.2000000000000002."""
+    return np.array([round(float(i * voxel_size), 9) for i in first])
 
 
 def _smallest_voxel(lo: np.ndarray, hi: np.ndarray, multiple: int) -> float:
@@ -173,7 +186,7 @@ def grid_for(dataset: _HasBounds | Sequence[_HasBounds], voxel_size: float, mult
             "Remove outlying points from those samples, or use voxels of at least "
             f"{_smallest_voxel(lo, hi, multiple):g} m (trainer: --voxel-size)")
     first, padded = _grid(lo, hi, voxel_size, multiple)
-    origin = tuple(round(float(i * voxel_size), 9) for i in first)  # -1.2, not -1.2000000000000002
+    origin = tuple(float(o) for o in _origin(first, voxel_size))
     return origin, tuple(int(s) for s in padded)  # type: ignore[return-value]
 
 

@@ -27,9 +27,9 @@ Layout (HDF5, one file per split, e.g. ``train.h5``, ``val.h5``)::
 
 Scenes are ordered by name (``sorted``), so index ``i`` means the same scene on every rank. Any
 float width is accepted for ``xyz`` and any integer width for ``label``; a sample hands out float32
-(float64 where the file stores float64, so large coordinates such as UTM keep their precision
-until voxelization subtracts the grid's origin) and int64; ``write_scenes`` stores float64
-coordinates as float64. There is no "ignore" label: unlabelled points must be dropped or given a class.
+(float64 where the file stores float64 of either byte order, so large coordinates such as UTM keep
+their precision until voxelization subtracts the grid's origin) and int64; ``write_scenes`` stores
+float64 coordinates, and integers of 32 bits or more, as float64. There is no "ignore" label: unlabelled points must be dropped or given a class.
 
 Validation: opening checks the attributes, every scene's datasets, shapes and dtypes and, with
 ``check="full"`` (the default), every value (finite coordinates, colours and labels in range, and
@@ -101,14 +101,16 @@ def _write_scenes(path: Path,
             f.attrs[k] = v
         group = f.create_group("scenes")
         for name, xyz, rgb, label in scenes:
+            if not isinstance(name, str) or not name or "/" in name or name in group:
+                raise ValueError(f"scene name {name!r}: names must be non-empty strings without "
+                                 f"'/' (an HDF5 path separator), each used once")
             g = group.create_group(name)
-            xyz = np.asarray(xyz)  # float64 stays float64: large coordinates keep their precision
-            xyz = xyz.astype(np.float64 if xyz.dtype == np.float64 else np.float32, copy=False)
+            xyz = _coordinates(np.asarray(xyz))
             rgb = None if rgb is None else np.asarray(rgb)
             label = np.asarray(label)
             _check_scene(name, xyz, rgb, label)
             table: Optional[ChunkTable] = None
-            if chunk_size is not None and len(xyz):
+            if chunk_size is not None:
                 order, table = chunk_order(xyz, chunk_size)
                 xyz, label = xyz[order], label[order]
                 rgb = None if rgb is None else rgb[order]
@@ -120,12 +122,20 @@ def _write_scenes(path: Path,
             g.create_dataset("label", data=label)
             if table is not None:
                 write_chunk_table(g, table)
-            if len(xyz):
-                lo = np.minimum(lo, xyz.min(0))
-                hi = np.maximum(hi, xyz.max(0))
+            lo = np.minimum(lo, xyz.min(0))
+            hi = np.maximum(hi, xyz.max(0))
         if np.isfinite(lo).all():
             f.attrs["bounds_min"] = lo
             f.attrs["bounds_max"] = hi
+
+
+def _coordinates(xyz: np.ndarray) -> np.ndarray:
+    """``xyz`` in native byte order, float64 where its dtype holds more than float32 does (a
+    double of either byte order, an integer of 32 bits or more), else float32. At UTM-like
+    coordinates (5e6 m) a float32 step is 0.5 m, coarser than any voxel; voxelization subtracts
+    the grid's origin in float64."""
+    wide = xyz.dtype.itemsize >= (8 if xyz.dtype.kind == "f" else 4)
+    return xyz.astype(np.float64 if wide else np.float32, copy=False)
 
 
 def _check_scene(name: str, xyz: np.ndarray, rgb: Optional[np.ndarray], label: np.ndarray) -> None:
@@ -133,6 +143,8 @@ def _check_scene(name: str, xyz: np.ndarray, rgb: Optional[np.ndarray], label: n
     if xyz.ndim != 2 or xyz.shape[1] != 3:
         raise ValueError(f"scene {name!r}: xyz has shape {xyz.shape}; expected [P, 3]")
     p = len(xyz)
+    if p == 0:
+        raise ValueError(f"scene {name!r} has no points; a scene needs P >= 1 (drop it)")
     if rgb is not None and rgb.shape != (p, 3):
         raise ValueError(f"scene {name!r}: rgb has shape {rgb.shape}; expected [{p}, 3] or None")
     if label.shape != (p,):
@@ -294,9 +306,7 @@ class SceneDataset:
                 feats = rgb.astype(np.float32)
         else:
             feats = np.ones((len(xyz), 1), dtype=np.float32)
-        # float64 stays float64: at UTM-like coordinates (5e6 m) a float32 step is 0.5 m, coarser
-        # than any voxel; voxelization subtracts the grid's origin in float64.
-        xyz = xyz if xyz.dtype == np.float64 else xyz.astype(np.float32, copy=False)
+        xyz = _coordinates(xyz)
         return xyz, feats, label.astype(np.int64)
 
     def _check_in_bounds(self, name: str, xyz: np.ndarray) -> None:
