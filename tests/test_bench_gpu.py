@@ -41,13 +41,19 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_the_table(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["device"] == "cpu" and r["scene"]["voxels"] > 0
-    assert r["targets"] == {"time_ratio_max": 1.10, "memory_ratio_max": 1.10}
+    assert r["targets"] == {"time_ratio_max": 1.10, "memory_ratio_max": 1.10,
+                            "network": "distributed_1x1x1"}
     assert set(r["steps"]) == {"fp32", "fp16"} and set(r["layer"]) == {"fp32", "fp16"}
     fp32 = r["steps"]["fp32"]
     nets = ("spconv_unet", "sparseunet", "distributed_1x1x1")
     for net in nets:
         assert fp32[net]["median_s"] > 0 and fp32[net]["peak_bytes"] is None  # no device memory
     assert fp32["time_ratio_distributed_1x1x1_over_spconv"] > 0
+    lo, hi = fp32["time_ratio_distributed_1x1x1_over_spconv_range"]  # round by round, paired
+    assert lo <= fp32["time_ratio_distributed_1x1x1_over_spconv"] <= hi
+    assert len(fp32["spconv_unet"]["all_s"]) == fp32["spconv_unet"]["repeats"] == 3  # 3 x 1
+    assert "target_met" not in fp32  # no device memory on a CPU: no verdict
+    assert "distributed_1x1x1 / spconv_unet: time" in proc.stdout
     assert fp32["networks"] == list(nets)  # no other way to run on a CPU
     for net in nets:  # a CPU has torch ops only
         n = fp32["launches"][net]
@@ -91,7 +97,7 @@ def test_triton_variants_are_skipped_with_the_reason_where_they_cannot_run(tmp_p
     assert layer["spconv_triton"] == {"skipped": "spconv-triton runs on GPUs only"}
     assert "time_ratio_spconv_triton_unet_over_spconv" not in steps
     assert steps["sparseunet"]["median_s"] > 0 and r["complete"]
-    assert steps["launches"] == {} and "launches" not in proc.stdout  # --no-launches
+    assert "launches" not in steps and "launches" not in proc.stdout  # --no-launches
     assert steps["networks"] == ["spconv_unet", "sparseunet", "distributed_1x1x1"]
 
 
@@ -348,3 +354,18 @@ def test_gpu_idle_time_is_the_span_of_the_kernels_less_their_union():
     n = summarize([k(100, 110), k(105, 112), k(120, 125), k(121, 122)], [])
     assert n["gpu_busy_s"] == pytest.approx(17e-6) and n["gpu_idle_s"] == pytest.approx(8e-6)
     assert summarize([], [])["gpu_busy_s"] == summarize([], [])["gpu_idle_s"] == 0
+
+
+def test_rounds_are_kept_and_ratios_paired_round_by_round():
+    """A slow round slows both sides: the ratio is taken within each round, and every round's
+    time is kept, so that a ratio near the target can be judged by its spread."""
+    from sparsepipe_hpc.bench.common import paired_ratios, time_alternating
+
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    t = time_alternating(fns, torch.device("cpu"), repeats=2, warmup=1,
+                         before=lambda: calls.append("free"))
+    assert calls == ["free", "a", "free", "b"] * 3  # one warm-up round, two timed
+    assert len(t["a"]["all_s"]) == 2 and t["a"]["peak_over_start_bytes"] is None
+    times = {"ours": {"all_s": [2.0, 4.0, 3.0]}, "base": {"all_s": [1.0, 2.0, 3.0]}}
+    assert paired_ratios(times, "ours", "base") == {"median": 2.0, "min": 1.0, "max": 2.0}

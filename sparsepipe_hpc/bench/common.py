@@ -9,7 +9,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ import torch
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.voxelize import voxelize
 
-__all__ = ["synthetic_room", "sync", "time_alternating", "time_step", "write_json",
+__all__ = ["synthetic_room", "sync", "time_alternating", "time_step", "paired_ratios", "write_json",
            "environment"]
 
 
@@ -45,43 +45,64 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_once(fn: Callable[[], Any], device: torch.device) -> tuple[float, Optional[int]]:
-    """Seconds of one ``fn()`` (CUDA events on a GPU, wall clock on a CPU) and the peak device
-    memory during it (None on a CPU)."""
+def _time_once(fn: Callable[[], Any], device: torch.device
+               ) -> tuple[float, Optional[int], Optional[int]]:
+    """Seconds of one ``fn()`` (CUDA events on a GPU, wall clock on a CPU), the peak device
+    memory during it and the memory allocated when it started (None, None on a CPU)."""
     if device.type != "cuda":
         t = time.perf_counter()
         fn()
-        return time.perf_counter() - t, None
+        return time.perf_counter() - t, None, None
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
     end.record()
     torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(device)
+    return start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(device), base
 
 
-def time_alternating(fns: dict[str, Callable[[], Any]], device: torch.device, repeats: int,
-                     warmup: int = 1) -> dict[str, dict[str, Any]]:
-    """Per name of ``fns``: median and min seconds of one call and its peak device memory.
+def time_alternating(fns: Mapping[str, Callable[[], Any]], device: torch.device, repeats: int,
+                     warmup: int = 1, before: Optional[Callable[[], Any]] = None
+                     ) -> dict[str, dict[str, Any]]:
+    """Per name of ``fns``: median and min seconds of one call, every round's (``all_s``), the
+    peak device memory (``peak_bytes``) and the most a call added to what was allocated when it
+    started (``peak_over_start_bytes``: its own activations, gradients and workspace, not what
+    other functions' objects hold meanwhile).
 
     ``warmup`` rounds, then ``repeats`` rounds that call every function once in turn, so that
-    drift (clocks, other load, allocator state) falls on all of them alike.
+    drift (clocks, other load, allocator state) falls on all of them alike; ``before`` runs
+    untimed ahead of every call (say, to free every model's gradients).
     """
     for _ in range(warmup):
         for fn in fns.values():
+            if before is not None:
+                before()
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     peaks: dict[str, Optional[int]] = {name: None for name in fns}
+    added: dict[str, Optional[int]] = {name: None for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t, peak = _time_once(fn, device)
+            if before is not None:
+                before()
+            t, peak, base = _time_once(fn, device)
             times[name].append(t)
-            if peak is not None:
+            if peak is not None and base is not None:
                 peaks[name] = max(peaks[name] or 0, peak)
-    return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "repeats": repeats,
-                   "peak_bytes": peaks[name]} for name, ts in times.items()}
+                added[name] = max(added[name] or 0, peak - base)
+    return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "all_s": ts,
+                   "repeats": repeats, "peak_bytes": peaks[name],
+                   "peak_over_start_bytes": added[name]} for name, ts in times.items()}
+
+
+def paired_ratios(times: dict[str, dict[str, Any]], name: str, base: str) -> dict[str, float]:
+    """``name``'s time over ``base``'s, round by round (both from one :func:`time_alternating`):
+    their median, min and max. Paired, so a slow round (clocks, other load) slows both sides."""
+    ratios = sorted(a / b for a, b in zip(times[name]["all_s"], times[base]["all_s"]))
+    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
 
 
 def time_step(fn: Callable[[], Any], device: torch.device, repeats: int,

@@ -49,6 +49,7 @@ import torch
 __all__ = ["step_launches", "summarize", "kernel_gap", "describe_gap"]
 
 _BLOCKING = ("Synchronize", "cudaMemcpy", "cuMemcpy")  # cudaMemcpy (not Async) waits too
+_END = "bench: end of the profiled step"  # the range of the profile's own last synchronize
 
 
 def _blocks(name: str) -> bool:
@@ -111,7 +112,8 @@ def _profile(fn: Callable[[], Any], device: torch.device, stacks: bool
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode(mode)
-                torch.cuda.synchronize(device)  # every kernel inside the profile
+                with torch.profiler.record_function(_END):  # not the step's: not counted
+                    torch.cuda.synchronize(device)  # every kernel inside the profile
     warned = [(str(w.message), f"{_short(w.filename)}:{w.lineno}") for w in caught]
     try:
         return list(prof.events()), warned
@@ -206,7 +208,8 @@ def summarize(events: Any, warned: list[tuple[str, str]], top: int = 8) -> dict[
     kernels = [e for e in events if e.device_type == DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False)]  # GPU-side ranges are not work
     host = [e for e in events if e.device_type == DeviceType.CPU]
-    calls = [e for e in host if _is_call(e.name)]
+    calls = [e for e in host if _is_call(e.name)
+             and not any(p.name == _END for p in _parents(e))]
     runtime = Counter(e.name for e in calls)
     by_kernel: Counter[str] = Counter()
     for e in kernels:
