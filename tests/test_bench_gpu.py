@@ -369,3 +369,50 @@ def test_rounds_are_kept_and_ratios_paired_round_by_round():
     assert len(t["a"]["all_s"]) == 2 and t["a"]["peak_over_start_bytes"] is None
     times = {"ours": {"all_s": [2.0, 4.0, 3.0]}, "base": {"all_s": [1.0, 2.0, 3.0]}}
     assert paired_ratios(times, "ours", "base") == {"median": 2.0, "min": 1.0, "max": 2.0}
+
+
+def test_the_plain_spconv_unet_computes_what_sparseunet_computes():
+    """The benchmark's reference is issue 10's 'equivalent U-Net': with SparseUNet's weights
+    copied in, module by module, both give the same outputs and gradients (train and eval), so
+    the two steps do the same work at every level and a time ratio compares implementations."""
+    from sparsepipe_hpc.bench.gpu import synthetic_rooms
+    from sparsepipe_hpc.nn import SparseUNet
+
+    width, depth = 4, 3
+    x = synthetic_rooms(1, 0.1, 20000)
+    torch.manual_seed(0)
+    plain, ours = SpconvUNet(3, 8, width, depth), SparseUNet(3, 8, width=width, depth=depth)
+
+    def residual(r, unit):
+        pairs = [(r.c1, unit.body[0]), (r.b1, unit.body[1]), (r.c2, unit.body[3]),
+                 (r.b2, unit.body[4])]
+        return pairs + ([(r.skip[0], unit.skip[0]), (r.skip[1], unit.skip[1])]
+                        if r.skip is not None else [])
+
+    blocks = ours.blocks
+    pairs = [(plain.stem, blocks[0].net[0]), (plain.stem_bn, blocks[0].net[1])]
+    pairs += residual(plain.stem_res, blocks[0].net[3])
+    for i in range(depth):
+        pairs += [(plain.down[i], blocks[1 + i].net[0]), (plain.down_bn[i], blocks[1 + i].net[1])]
+        pairs += residual(plain.down_res[i], blocks[1 + i].net[3])
+    for j in range(depth):
+        i, up = depth - 1 - j, blocks[1 + depth + j]
+        pairs += [(plain.up[i], up.up[0]), (plain.up_bn[i], up.up[1])]
+        pairs += residual(plain.up_res[i], up.net[0])
+    pairs.append((plain.head, blocks[-1].linear))
+    with torch.no_grad():
+        for a, b in pairs:
+            for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+                pb.copy_(pa)
+    assert sum(p.numel() for a, _ in pairs for p in a.parameters()) == \
+        sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in plain.parameters())
+    for train in (True, False):
+        plain.train(train), ours.train(train)
+        ya, yb = plain(x.to_spconv()).features, ours(x.replace(kmaps={})).feats
+        assert ya.shape == yb.shape
+        assert (ya - yb).abs().max() <= 1e-4 * ya.abs().max()
+        ya.square().mean().backward()
+        yb.square().mean().backward()
+    for a, b in pairs:
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.allclose(pa.grad, pb.grad, rtol=1e-3, atol=1e-5 * pa.grad.abs().max())
