@@ -263,7 +263,7 @@ def boundary_rows(halo_map: KernelMap) -> torch.Tensor:
 def interior_rows(halo_map: KernelMap) -> torch.Tensor:
     """int64 [n_out - B]: sorted output rows with local inputs only (computable before the halo)."""
     mask = torch.ones(halo_map.n_out, dtype=torch.bool, device=halo_map.out_rows.device)
-    mask[halo_map.out_rows] = False
+    mask.index_fill_(0, halo_map.out_rows, False)  # a scalar: no host value copied to a GPU
     return torch.nonzero(mask).reshape(-1)
 
 
@@ -406,8 +406,8 @@ def build_plan(grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor, radius: int,
     send_rows = [rw for rw in rows if len(rw)]
     facts = run_facts(send_rows)
     edge = torch.zeros(len(coords), dtype=torch.bool, device=dev)
-    if send_rows:
-        edge[torch.cat(send_rows)] = True
+    if send_rows:  # index_fill_, not edge[...] = True: that copies the value from the host,
+        edge.index_fill_(0, torch.cat(send_rows), True)  # a blocking copy on a GPU
     send_n = [torch.tensor([len(r)]).to(dev, non_blocking=True) for r in rows]
     recv_n = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in nbrs]
     transport.start(list(zip(nbrs, send_n)), list(zip(nbrs, recv_n)), tag).wait()

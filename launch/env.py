@@ -272,10 +272,18 @@ def check_world(world_size: int, env: Mapping[str, str] | None = None) -> None:
     """Raise :class:`LaunchError` when the launcher started several processes but MPI gives this
     one a world of 1 (``world_size``, ``COMM_WORLD``'s): each would train alone, all into one
     ``--out``. The usual cause is an MPI the launcher did not start: ``srun`` without the PMI
-    plugin mpi4py's MPI needs, or another MPI's ``mpirun``."""
-    found = from_environ(env)
-    if found is None or found.size == 1 or world_size != 1:
+    plugin mpi4py's MPI needs, or another MPI's ``mpirun``. Under SLURM only the process srun
+    started counts (``SLURM_TASK_PID``): a shell of ``srun --pty bash`` or a script's own python
+    in a step of several tasks runs alone as it should."""
+    if world_size != 1:
         return
+    env = os.environ if env is None else env
+    found = from_environ(env)
+    if found is None or found.size == 1:
+        return
+    task = env.get("SLURM_TASK_PID", "").strip()
+    if found.launcher == "slurm" and task.isdigit() and int(task) != os.getpid():
+        return  # a process that srun's task started (a shell, a script's python): not a rank
     raise LaunchError(
         f"{found.launcher} started {found.size} processes, but MPI gives this one a world of "
         f"{world_size}: mpi4py's MPI was not started by that launcher, so every process would run "

@@ -123,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         comm = MPI.COMM_WORLD
     try:
-        check_world(1 if comm is None else comm.Get_size())
+        if comm is not None:  # without mpi4py the launcher's variables are all there is
+            check_world(comm.Get_size())
         placement = detect(comm)
         mine = summary(placement, mpi_rank=None if comm is None else comm.Get_rank(),
                        sharing=None if comm is None else ranks_sharing_cores(comm))

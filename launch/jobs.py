@@ -489,4 +489,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for flag in ignored_options(options):
         print(f"{parser.prog}: note: {flag} does nothing for --scheduler {options.scheduler}",
               file=sys.stderr)
+    if options.time and options.time.count(":") == 1 and "-" not in options.time:
+        print(f"{parser.prog}: note: --time {options.time} is MM:SS, as SLURM reads it: "
+              f"{JobSpec(options.scheduler, time=options.time, signal_lead=1).walltime}; write "
+              "HH:MM:00 for hours and minutes", file=sys.stderr)
     sys.stdout.write(script)

@@ -395,10 +395,14 @@ def _run_target(args: list[str]) -> None:
 
 
 def _module_exists(name: str) -> bool:
+    """Whether ``name`` can be found; a parent package that fails to import for another reason
+    raises, so that its own error is seen."""
     try:
         return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a parent package that is missing, or an empty name
-        return False
+    except ModuleNotFoundError as e:  # a parent package missing: "pkg" of "pkg.mod"
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+            return False
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -147,6 +147,27 @@ def test_scene_nan(scenes_file):
     expect(lambda: ds[2], scenes_file, "/scenes/s2/xyz", "finite")
 
 
+def test_the_full_check_reads_scenes_in_blocks(scenes_file, monkeypatch):
+    """Its memory does not grow with a scene: blocks of CHECK_BLOCK points, every value checked
+    and the bounds the same as from whole scenes."""
+    import sparsepipe_hpc.data.scenes as scenes
+
+    whole = SceneDataset(scenes_file)
+    reads = []
+    real = scenes.read
+    monkeypatch.setattr(scenes, "CHECK_BLOCK", 16)
+    monkeypatch.setattr(scenes, "read", lambda p, ds, sel=(): reads.append(sel) or
+                        real(p, ds, sel))
+    blocked = SceneDataset(scenes_file)
+    assert all(isinstance(sel, slice) and sel.stop - sel.start <= 16 for sel in reads)
+    assert all(np.array_equal(a, b) for a, b in zip(blocked.bounds(), whole.bounds()))
+    xyz = scene(seed=2)[0]
+    xyz[37, 1] = np.nan  # in the third block
+    edit(scenes_file, lambda f: replace(f, "scenes/s2/xyz", xyz))
+    expect(lambda: SceneDataset(scenes_file), scenes_file, "/scenes/s2/xyz[32:48]", "finite",
+           "(37, 1)")
+
+
 @pytest.mark.parametrize("bad", [3, -1, 200])
 def test_scene_label_out_of_range(scenes_file, bad):
     label = scene(seed=0)[2]

@@ -163,6 +163,21 @@ def test_a_grid_without_margin_holds_points_a_rounded_origin_moves_by_a_voxel():
         voxelize(np.array([lo, hi], dtype=np.float64), None, vs, origin, shape)  # both inside
 
 
+def test_a_grid_the_rounded_origin_widens_past_the_limit_is_refused_by_name():
+    """65,536 voxels on x by the count of floor(p / voxel), 65,552 once padded and placed
+    against the rounded origin: refused with the smallest voxel that fits, not left to fail
+    in the sparse tensor."""
+    from sparsepipe_hpc.data.loader import GridSizeError
+
+    class Bounds:
+        def bounds(self):
+            return np.array([-2.5, 0.0, 0.0]), np.array([4585.0, 1.0, 1.0])
+
+    with pytest.raises(GridSizeError, match=r"65552x16x16 voxels.*at least 0\.0707 m"):
+        grid_for(Bounds(), 0.07, multiple=16, margin=0.0)
+    assert grid_for(Bounds(), 0.0707, multiple=16, margin=0.0)[1][0] <= 65536
+
+
 def symmetries(coords, n):
     """The x-y images of a voxel set under flips about the grid centre and the x-y swap."""
     out = []

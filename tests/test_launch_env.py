@@ -201,6 +201,17 @@ def test_processes_that_mpi_sees_alone_are_refused(monkeypatch, values, world, l
     check_world(int(values.get("SLURM_STEP_NUM_TASKS", values.get("OMPI_COMM_WORLD_SIZE"))))
 
 
+def test_a_process_srun_did_not_start_itself_may_run_alone(monkeypatch):
+    """A shell of `srun -n 4 --pty bash`, or a sweep script's own python in a step of several
+    tasks: not the task srun started (SLURM_TASK_PID), so it runs alone as asked."""
+    setenv(monkeypatch, SLURM_STEP_ID=0, SLURM_PROCID=0, SLURM_STEP_NUM_TASKS=4, SLURM_LOCALID=0,
+           SLURM_STEP_TASKS_PER_NODE="4", SLURM_TASK_PID=os.getpid() + 1)
+    check_world(1)
+    setenv(monkeypatch, SLURM_TASK_PID=os.getpid())  # srun's task itself: refused
+    with pytest.raises(LaunchError, match="slurm started 4 processes"):
+        check_world(1)
+
+
 def test_a_lone_process_or_a_sub_world_passes_the_world_check(monkeypatch):
     check_world(1)  # no launcher
     setenv(monkeypatch, SLURM_STEP_ID=0, SLURM_PROCID=0, SLURM_STEP_NUM_TASKS=1, SLURM_LOCALID=0,

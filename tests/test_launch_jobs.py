@@ -423,6 +423,9 @@ def test_command_line_errors_exit_2(tmp_path):
     proc = _job("--scheduler", "slurm", "--mpi", "mpich")
     assert "--mpi does nothing for --scheduler slurm" in proc.stderr
     assert "does nothing" not in _job("--scheduler", "pbs", "--mpi", "mpich").stderr
+    proc = _job("--scheduler", "slurm", "--time", "02:30", "--signal-lead", "60")
+    assert "--time 02:30 is MM:SS, as SLURM reads it: 00:02:30" in proc.stderr
+    assert "#SBATCH --time=00:02:30" in proc.stdout
     proc = _job("--scheduler", "slurm", "--templates", str(tmp_path), check=False)
     assert proc.returncode == 2 and "job templates not found" in proc.stderr
     proc = _job("--scheduler", "slurm", "--gpus-per-node", "0", check=False)

@@ -435,3 +435,30 @@ def test_a_process_that_mpi_sees_alone_in_a_launcher_step_stops(tmp_path, comman
     assert proc.returncode == 2, proc.stderr
     assert "slurm started 2 processes, but MPI gives this one a world of 1" in proc.stderr
     assert "trained alone" not in proc.stdout and not list(tmp_path.iterdir())
+
+
+def test_the_trainer_help_is_printed_in_any_world(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sparsepipe_hpc.train", "--help"],
+                          env={**_env(), **_SLURM_STEP_OF_2}, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "--grid" in proc.stdout, proc.stderr
+
+
+def test_a_script_started_inside_a_step_of_several_tasks_runs_alone(tmp_path):
+    env = {**_env(), **_SLURM_STEP_OF_2, "SLURM_TASK_PID": "1"}  # srun's task is another process
+    proc = subprocess.run([sys.executable, "-m", "launch", "run", "-c",
+                           "from mpi4py import MPI; print('ran', MPI.COMM_WORLD.Get_size())"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ran 1", proc.stderr
+
+
+def test_a_module_whose_package_fails_to_import_shows_its_own_error(tmp_path):
+    pkg = tmp_path / "brokenpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import no_such_dependency\n")
+    (pkg / "main.py").write_text("print('never')\n")
+    proc = subprocess.run(_launch("-m", "brokenpkg.main"), env=_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "no_such_dependency" in proc.stderr
+    assert "no module named 'brokenpkg.main'" not in proc.stderr
+

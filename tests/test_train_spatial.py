@@ -86,22 +86,3 @@ def test_distributed_input_trains_the_same_run(rooms, tmp_path):
     (e_whole,), (e_dist,) = ([r for r in m if r["kind"] == "eval"] for m in (whole, dist))
     assert e_dist["oa"] == e_whole["oa"] and e_dist["voxels"] == e_whole["voxels"]
 
-
-@pytest.mark.parametrize("extra, check", [(("--grid", "3,1,1"), "structure"),
-                                          (("--grid", "3,1,1", "--input", "whole"), "full"),
-                                          ((), "full")])
-def test_distributed_input_opens_scenes_without_reading_them_whole(rooms, monkeypatch, extra,
-                                                                   check):
-    """Each rank of a distributed input checks the values it reads; a full check at open would
-    read every scene whole on every rank, the memory the layout is there to save."""
-    from types import SimpleNamespace
-
-    import sparsepipe_hpc.train.loop as loop
-    from sparsepipe_hpc.train.config import parse_config
-
-    real, seen = loop.SceneDataset, []
-    monkeypatch.setattr(loop, "SceneDataset", lambda *a, **k: seen.append(k["check"]) or
-                        real(*a, **k))
-    cfg = parse_config(["--data", str(rooms), *extra])
-    loop.Trainer._open_data(SimpleNamespace(seg=True, cfg=cfg), rooms)
-    assert seen == [check, check]

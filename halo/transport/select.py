@@ -110,8 +110,8 @@ def one_node(comm: Any) -> bool:
 def make_reducer(name: str, comm: Any, device: Optional[Device] = None) -> Optional[Reducer]:
     """The all-reduce of ``device``'s tensors over ``comm`` for the resolved transport ``name``:
     None for "mpi" (host tensors, reduced where they lie), NCCL's for "nccl", CUDA IPC's for
-    "ipc" where every rank of ``comm`` is on this node (both collective over ``comm``), else
-    host-staged MPI on a stream of ``device``."""
+    "ipc" where every rank of ``comm`` is on this node, else host-staged MPI on a stream of
+    ``device`` (each collective over ``comm``; ``close`` it, collectively, when done)."""
     if name == "mpi":
         return None
     if name not in DEVICE_TRANSPORTS:

@@ -45,7 +45,7 @@ def open_h5(path: str | Path) -> h5py.File:
             why = "the file is truncated (an interrupted copy or write?)"
         elif "signature" in msg:
             why = "not an HDF5 file (no HDF5 signature)"
-        elif "lock" in msg:
+        elif "unable to lock file" in msg:
             why = ("the file cannot be locked: another process writes it, or the file system "
                    "has no locks (Lustre, NFS: set HDF5_USE_FILE_LOCKING=FALSE)")
         else:

@@ -124,7 +124,8 @@ def _smallest_voxel(lo: np.ndarray, hi: np.ndarray, multiple: int) -> float:
     """A round voxel size (3 significant digits) at which [lo, hi] fits in MAX_EXTENT voxels."""
     v = float(np.max(hi - lo)) / max(1, MAX_EXTENT - multiple - 1)
     v = float(f"{v:.2e}")
-    while (_extent(lo, hi, v, multiple) > MAX_EXTENT).any():
+    while not ((_extent(lo, hi, v, multiple) <= MAX_EXTENT).all()
+               and (_grid(lo, hi, v, multiple)[1] <= MAX_EXTENT).all()):
         v = float(f"{v * 1.01:.2e}")
     return v
 
@@ -175,6 +176,9 @@ def grid_for(dataset: _HasBounds | Sequence[_HasBounds], voxel_size: float, mult
     lo = np.min([np.asarray(d.bounds()[0], dtype=np.float64) for d in sets], axis=0) - margin
     hi = np.max([np.asarray(d.bounds()[1], dtype=np.float64) for d in sets], axis=0) + margin
     extent = _extent(lo, hi, voxel_size, multiple)
+    if (extent <= MAX_EXTENT).all():
+        first, padded = _grid(lo, hi, voxel_size, multiple)
+        extent = padded.astype(np.float64)  # a voxel more where the rounded origin needs it
     if not (extent <= MAX_EXTENT).all():
         axis = int(np.argmax(extent))
         low, high = _extremes(sets, axis)
@@ -185,7 +189,6 @@ def grid_for(dataset: _HasBounds | Sequence[_HasBounds], voxel_size: float, mult
             f"tensor holds at most {MAX_EXTENT} voxels per axis. Lowest: {low}; highest: {high}. "
             "Remove outlying points from those samples, or use voxels of at least "
             f"{_smallest_voxel(lo, hi, multiple):g} m (trainer: --voxel-size)")
-    first, padded = _grid(lo, hi, voxel_size, multiple)
     origin = tuple(float(o) for o in _origin(first, voxel_size))
     return origin, tuple(int(s) for s in padded)  # type: ignore[return-value]
 

@@ -29,10 +29,12 @@ Scenes are ordered by name (``sorted``), so index ``i`` means the same scene on 
 float width is accepted for ``xyz`` and any integer width for ``label``; a sample hands out float32
 (float64 where the file stores float64 of either byte order, so large coordinates such as UTM keep
 their precision until voxelization subtracts the grid's origin) and int64; ``write_scenes`` stores
-float64 coordinates, and integers of 32 bits or more, as float64. There is no "ignore" label: unlabelled points must be dropped or given a class.
+float64 coordinates, and integers of 32 bits or more, as float64. There is no "ignore" label:
+unlabelled points must be dropped or given a class.
 
 Validation: opening checks the attributes, every scene's datasets, shapes and dtypes and, with
-``check="full"`` (the default), every value (finite coordinates, colours and labels in range, and
+``check="full"`` (the default), every value, read in blocks of :data:`CHECK_BLOCK` points (finite
+coordinates, colours and labels in range, and
 points inside ``bounds_min``/``bounds_max`` when stored: stale bounds would build a grid that misses
 points). A scene that breaks a rule raises :class:`DataFormatError` naming the file, the dataset and
 the rule. ``check="structure"`` skips the value scan (for very large files); values are still
@@ -60,6 +62,9 @@ __all__ = ["FORMAT", "VERSION", "SceneDataset", "write_scenes"]
 
 FORMAT = "sparsepipe-scenes"
 VERSION = 1
+#: Points per read of the full check at open (and of :meth:`SceneDataset.bounds`' scan): its
+#: memory, whatever a scene's size.
+CHECK_BLOCK = 1 << 20
 
 
 def write_scenes(path: str | Path,
@@ -261,9 +266,13 @@ class SceneDataset:
                                       f"(0..1); got dtype {rgb.dtype}")
         self._chunks[name] = read_chunk_table(p, g, int(npts), self._stored_bounds)
         box = None
-        if full:
-            xyz = self._read_scene(f, name)[0]
-            box = (xyz.min(0).astype(np.float64), xyz.max(0).astype(np.float64))
+        if full:  # in blocks: a scene larger than a rank's memory is checked all the same
+            lo, hi = np.full(3, np.inf), np.full(3, -np.inf)
+            for start in range(0, npts, CHECK_BLOCK):
+                rows = None if npts <= CHECK_BLOCK else slice(start, min(npts, start + CHECK_BLOCK))
+                xyz = self._read_scene(f, name, rows)[0]
+                lo, hi = np.minimum(lo, xyz.min(0)), np.maximum(hi, xyz.max(0))
+            box = (lo, hi)
         return int(npts), box
 
     def _read_scene(self, f: h5py.File, name: str, rows: Optional[slice] = None
@@ -385,10 +394,14 @@ class SceneDataset:
             f = self._h5()
             los, his = [], []
             for name in self.names:
-                xyz = read(self.path, f["scenes"][name]["xyz"])
-                check_finite(self.path, f["scenes"][name]["xyz"].name, xyz)
-                los.append(xyz.min(0).astype(np.float64))
-                his.append(xyz.max(0).astype(np.float64))
+                ds = f["scenes"][name]["xyz"]
+                lo, hi = np.full(3, np.inf), np.full(3, -np.inf)
+                for start in range(0, len(ds), CHECK_BLOCK):
+                    xyz = read(self.path, ds, slice(start, start + CHECK_BLOCK))
+                    check_finite(self.path, ds.name, xyz, start)
+                    lo, hi = np.minimum(lo, xyz.min(0)), np.maximum(hi, xyz.max(0))
+                los.append(lo)
+                his.append(hi)
             self._scene_bounds = (np.stack(los), np.stack(his))
             self._bounds = (self._scene_bounds[0].min(0), self._scene_bounds[1].max(0))
         return self._bounds

@@ -109,7 +109,8 @@ def _explicit_pairs(m: SubmMap) -> tuple[torch.Tensor, torch.Tensor]:
         n = counts.clone()
         for j in range(k // 2):
             c = int(counts[j])
-            full[:, k - 1 - j, :c] = pairs[[1, 0], j, :c]
+            full[0, k - 1 - j, :c] = pairs[1, j, :c]  # (a list index would be copied to
+            full[1, k - 1 - j, :c] = pairs[0, j, :c]  # the GPU, waiting for it)
             n[k - 1 - j] = counts[j]
         n[k // 2] = 0
         m._explicit = (full, n)

@@ -52,11 +52,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from sparsepipe_hpc.train.output import OutputError
 
     comm = MPI.COMM_WORLD
-    try:
-        check_world(comm.Get_size())  # srun or mpirun that started processes MPI sees alone
-    except LaunchError as e:  # every such process is alone: it can only leave
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from e
     from sparsepipe_hpc.deps import DependencyError, check_spconv
 
     user_errors = (ConfigError, LayoutError, SetupError, CheckpointError, DataFormatError,
@@ -66,6 +61,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # Every rank must train the same run: a config file that fails on one rank only, or a
         # different --grid, --steps or --lr on one rank, stops every rank here with the values.
         cfg = agree(comm, lambda: parse_config(argv))
+        try:  # after --help; raises only in a world of 1, where each process is alone
+            check_world(comm.Get_size())  # srun or mpirun that started processes MPI sees alone
+        except LaunchError as e:
+            raise SetupError(str(e)) from None
         check_same(comm, "configuration", cfg.to_dict())
         if cfg.plan == "auto":  # rank 0 profiles the model on the data and picks the layout
             from sparsepipe_hpc.plan.auto import auto_plan

@@ -233,12 +233,7 @@ class Trainer:
             raise SetupError(f"--data {path}: not a directory (seg: holds train.h5 and val.h5; "
                              "cls: ModelNet-layout train*.h5 and test*.h5)")
         if self.seg:
-            # Each rank of a distributed input reads its box only: it checks the values it
-            # reads (on every rank at once), where a full check at open would read every
-            # scene whole on every rank, the memory the layout is there to save.
-            check = "structure" if distributed_input(self.cfg) else "full"
-            train, val = (SceneDataset(path, "train", check=check),
-                          SceneDataset(path, "val", check=check))
+            train, val = SceneDataset(path, "train"), SceneDataset(path, "val")
         else:
             train, val = ModelNetDataset(path, "train"), ModelNetDataset(path, "test")
         check_splits(train, val, "train", "val" if self.seg else "test")
