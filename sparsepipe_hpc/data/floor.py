@@ -27,8 +27,9 @@ CHUNK_SIZE = 0.5
 
 def make_floor(rng: np.random.Generator, points: int, rooms_x: int = 2, rooms_y: int = 2
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(xyz float32 [points, 3] m, rgb uint8 [points, 3], label uint8 [points])``: rooms in
-    row-major order (room (i, j) at x = 4.5 i, y = 4.5 j metres)."""
+    """``(xyz float32 [P, 3] m, rgb uint8 [P, 3], label uint8 [P])``: rooms in row-major order
+    (room (i, j) at x = 4.5 i, y = 4.5 j metres), P at most ``points`` (a room rounds its
+    surfaces' shares of its points down, so P may fall short by a few per room)."""
     from sparsepipe_hpc.data.synth import make_room
 
     if rooms_x < 1 or rooms_y < 1:
