@@ -1,6 +1,7 @@
 """Min-max cuts: balance the fullest box of a 2-D or 3-D grid, not just each axis' marginal.
 
-    hist, widths = grid_histogram(xyz, extent, dims, align)          # int64 [Bx, By, Bz]
+    widths = bin_widths(extent, dims, align)                         # voxels per bin, per axis
+    hist = grid_histogram(xyz, extent, widths)                       # int64 [Bx, By, Bz]
     cuts = minmax_cuts(hist, widths, extent, dims, align)            # pure; or, collectively:
     cuts = balanced_cuts(comm, xyz, extent, dims, align, method="minmax")
 

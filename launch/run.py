@@ -7,9 +7,11 @@ Usage::
     mpirun -n 4 python -m launch run -c "import mymod; mymod.main()"         # a command
 
     # or, in an entry point of its own (the trainer does this):
-    from launch.run import abort_on_exception, install_sigterm_handler
+    from launch.run import abort_on_exception, agree_to_stop, install_sigterm_handler
     abort_on_exception()
-    install_sigterm_handler(lambda: trainer.save_checkpoint("last.h5"))
+    install_sigterm_handler()          # a flag only: a handler must not communicate
+    ...                                # at a step boundary, on every rank:
+    if agree_to_stop(comm): trainer.save_checkpoint(); break   # collective, all ranks at once
 
 Why: when one rank dies of an exception, the others wait forever in their next collective, and the
 job burns its allocation until the wall-clock limit. The hook prints the traceback with the rank on

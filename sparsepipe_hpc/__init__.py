@@ -2,7 +2,7 @@
 
     from sparsepipe_hpc import SparseTensor, voxelize
     vox = voxelize(points, feats, voxel_size=0.05, origin=(0, 0, 0), spatial_shape=(128, 128, 64))
-    x = SparseTensor.from_voxels([vox])
+    x = SparseTensor.from_voxels([vox], (128, 128, 64))
 """
 
 from sparsepipe_hpc.sparse import SparseTensor

@@ -2,7 +2,7 @@
 
     meter = SavedTensorMeter(exclude=model.parameters())
     with meter:                         # every tensor saved for backward in here is counted
-        loss = model(x).sum()           # meter.live_bytes grows with the saved activations
+        loss = model(x).feats.sum()     # meter.live_bytes grows with the saved activations
         loss.backward()                 # ... and falls as backward frees the graph
     meter.peak_bytes
 

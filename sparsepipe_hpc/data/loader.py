@@ -6,7 +6,7 @@
     for idx in batches:
         batch = collate([ds[i] for i in idx], 0.05, origin, shape, augment=True,
                         generator=batches.sample_generators(idx))
-        logits = net(batch.x)                           # [N, K], one row per voxel
+        logits = net(batch.x).feats                     # [N, K], one row per voxel
         loss = F.cross_entropy(logits, batch.labels)
 
 Batch contract (B samples, N voxels in all):

@@ -1,7 +1,7 @@
 """Sparse ResNet classifier and sparse U-Net segmenter, built as ordered sequences of blocks.
 
     net = SparseUNet(in_channels=3, num_classes=8, width=16, depth=3)
-    logits = net(x)                    # SparseTensor -> per-voxel logits [N, num_classes]
+    logits = net(x).feats              # net(x) is a SparseTensor: per-voxel logits [N, classes]
     stages = net.blocks[:3], net.blocks[3:]   # a pipeline cuts here (later work)
 
 Every block maps a *carry* (a list of tensors; the last is the running activation, earlier ones

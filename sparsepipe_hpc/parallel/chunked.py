@@ -4,7 +4,8 @@ alone (pure geometry: no file, no MPI).
     vlo, vhi = chunk_voxels(table.lo, table.hi, origin, 0.05, shape)   # after aug.box(...)
     cuts = chunk_cuts([(vlo, vhi, table.count)], shape, dims=(4, 1, 1), align=8)
     mine = chunks_in_box(vlo, vhi, *cuts.box(grid.coords))            # bool [K]
-    for start, stop in pieces(table.offset, table.count, np.nonzero(mine)[0], 1 << 18): ...
+    for start, stop, k0, k1 in pieces(table.offset, table.count, np.nonzero(mine)[0], 1 << 18):
+        ...                                                            # rows, chunks [k0, k1)
 
 Reading rule (what keeps the distributed voxelization exact): rank ``r`` reads every chunk whose
 voxel range, widened by ``margin`` voxels for float rounding, meets its box, and keeps exactly the

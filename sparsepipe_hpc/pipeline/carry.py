@@ -1,9 +1,10 @@
 """Stage partition of a block sequence, and which stage makes and which uses each carry entry.
 
-    plan = plan_carry([blk.carry_arity for blk in model.blocks], balance=[4, 4])
-    plan.stages[1].blocks              # (4, 8): model.blocks[4:8] run on stage 1
+    plan = plan_carry([blk.carry_arity for blk in model.blocks], balance=[3, 3, 2])
+    plan.stages[1].blocks              # (3, 6): model.blocks[3:6] run on stage 1
     plan.stages[1].inputs              # the carry entries stage 1 receives, bottom to top
-    plan.skips                         # ((0, 2), ...) edges for make_schedule(skips=...)
+    plan.skips                         # ((0, 2),): a U-Net skip from stage 0 to stage 2,
+                                       # the edges for make_schedule(skips=...)
 
 A model is a sequence of blocks, each mapping a *carry* (a stack of tensors; the top is the
 running activation, the ones below are U-Net skips) to a new carry. Every block declares

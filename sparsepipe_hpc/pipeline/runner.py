@@ -1,5 +1,6 @@
 """One rank's pipelined model: its stage's blocks, the carry plan, the schedule and the executor.
 
+    from sparsepipe_hpc.pipeline.executor import split_batch
     ctx = ParallelContext(comm, RankLayout.from_world(comm.size, stages=2))
     pipe = Pipeline(model, ctx, balance="3,3", schedule="1f1b", micro_batches=4)  # collective
     parts = split_batch(batch_x, pipe.micro_batches, labels)     # whole samples per micro-batch

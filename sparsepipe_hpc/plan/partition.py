@@ -1,6 +1,7 @@
 """Exact contiguous stage partition of a block sequence over (possibly unequal) devices.
 
-    from sparsepipe_hpc.plan.partition import Block, Device, partition_stages
+    from sparsepipe_hpc.plan.partition import (Block, Device, partition_stages,
+                                               partition_stages_best_order)
     blocks = [Block(time=4.0), Block(time=1.0), Block(time=1.0), Block(time=2.0)]
     fast, slow = Device(speed=1.0, memory=16e9), Device(speed=0.5, memory=16e9)
     p = partition_stages(blocks, [fast, slow], microbatches=8)

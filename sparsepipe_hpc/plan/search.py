@@ -2,8 +2,8 @@
 
     from sparsepipe_hpc.plan.machine import Machine
     from sparsepipe_hpc.plan.search import search
-    plans = search(profile, Machine.uniform(8, ranks_per_node=4), batch_size=8)
-    best = plans[0]
+    result = search(profile, Machine.uniform(8, ranks_per_node=4), batch_size=8)
+    best = result.plans[0]                 # fastest first; result.rejected: why others failed
     best.replicas, best.stages, best.grid, best.balance, best.micro_batches, best.step_time
 
 Rank layout (as :class:`sparsepipe_hpc.parallel.layout.RankLayout`): rank
