@@ -48,9 +48,10 @@ class StagedRequest(Request):
 
     def __init__(self, owner: "StagedTransport", sends: Peers, recvs: list[tuple[torch.Tensor,
                  torch.Tensor]], host_recv: Request, send_bufs: list[torch.Tensor],
-                 d2h: Optional[Event], tag: int) -> None:
+                 recv_bufs: list[torch.Tensor], d2h: Optional[Event], tag: int) -> None:
         self._owner, self._sends, self._recvs = owner, sends, recvs
         self._host_recv, self._send_bufs, self._d2h, self._tag = host_recv, send_bufs, d2h, tag
+        self._recv_bufs = recv_bufs
         self._host_send: Optional[Request] = None
         self._done = False
 
@@ -103,7 +104,7 @@ class StagedRequest(Request):
         o.device.compute.wait_event(done)
         for buf in self._send_bufs:  # MPI has sent them: free once the D2H (before ``done``) ran
             o.pool.release(buf, done)
-        for buf in o._recv_bufs.pop(id(self), []):
+        for buf in self._recv_bufs:
             o.pool.release(buf, done)  # reused only after its H2D copy ran
         self._done = True
 
@@ -116,7 +117,6 @@ class StagedTransport(Transport):
         self.comm_stream = device.new_stream("comm")
         self.pool = StagingPool(device)
         self._unposted: list[StagedRequest] = []  # started, sends not yet handed to MPI
-        self._recv_bufs: dict[int, list[torch.Tensor]] = {}
 
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:
         if not sends and not recvs:
@@ -142,8 +142,7 @@ class StagedTransport(Transport):
                 host_sends.append((peer, _host_view(b, t)))
             d2h = self.comm_stream.record()
         req = StagedRequest(self, host_sends, [(t, h) for (_, t), (_, h) in zip(recvs, host_recvs)],
-                            host_recv, sbufs, d2h, tag)
-        self._recv_bufs[id(req)] = rbufs
+                            host_recv, sbufs, rbufs, d2h, tag)
         self._unposted.append(req)
         self._post_in_order(upto=None)
         return req
