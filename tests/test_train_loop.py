@@ -314,6 +314,17 @@ def test_resume_takes_the_current_weight_decay(data, tmp_path):
         t.close()
 
 
+def test_resume_in_another_precision_says_so(data, tmp_path):
+    train(tiny(data, tmp_path, "--steps", "2", "--precision", "bf16"))
+    said: list[str] = []
+    t = Trainer(tiny(data, tmp_path, "--steps", "3", "--resume", "auto"), MPI.COMM_SELF,
+                log=said.append)
+    try:
+        assert "the checkpoint's run trained in bf16, this one in fp32" in " ".join(said)
+    finally:
+        t.close()
+
+
 # --- temporary files, manifest (issue 9, item 7 and "checkpoint manifest") -----------------------
 def test_start_removes_temp_files_left_by_a_killed_save(data, tmp_path):
     """A process SIGKILLed inside torch.save leaves .last.pt.tmp-<pid>; the next start removes

@@ -12,7 +12,8 @@ visible devices) when torch sees CUDA, else the CPU; ``cuda`` without a usable C
 :class:`ConfigError` naming what torch sees. Mixed precision is torch's autocast: weights and
 optimizer state stay float32 (master weights), convolutions and linear layers run in the low
 dtype (the library's sparse convolutions cast to it themselves, :mod:`sparsepipe_hpc.nn.amp`),
-BatchNorm statistics and all cross-rank reductions stay in float32/float64, the loss is float32;
+BatchNorm statistics, gradients and the loss's and pooling's reductions stay in float32/float64
+(halo gradients are summed in the low dtype, as one process sums them), the loss is float32;
 fp16 adds dynamic loss scaling (``torch.amp.GradScaler``; bf16 has float32's range and needs
 none). Gradients are all-reduced while still scaled; the scaler unscales after the sum. Ranks
 that hold the same parameters then see the same sums; ranks that hold different ones (pipeline

@@ -182,6 +182,13 @@ def load_state(path: Path, state: TrainState, *, cfg: TrainConfig, out: Path, co
         mine = states[comm.Get_rank()] if same else states[0]
         ckpt_io.set_rng_state(mine, device=device)
         state.precision.load_state_dict(ckpt.get("scaler"))
+        saved_precision = ckpt.get("config", {}).get("precision", "fp32")
+        if saved_precision != cfg.precision:
+            why = ("its loss scale starts afresh" if cfg.precision == "fp16" else
+                   "the checkpoint's loss scale is dropped" if saved_precision == "fp16" else
+                   "the weights go on in float32 as before")
+            say(f"note: the checkpoint's run trained in {saved_precision}, this one in "
+                f"{cfg.precision}: {why}")
     except ckpt_io.CheckpointError:
         raise
     except (KeyError, RuntimeError, TypeError, ValueError) as e:
