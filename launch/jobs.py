@@ -183,7 +183,8 @@ def _time_seconds(text: str) -> int:
     else:  # HH:MM:SS
         fields = [int(first), int(rest[0]), int(rest[1])]
     hours, minutes, seconds = fields
-    if minutes >= 60 and (days is not None or rest[1] is not None) or seconds >= 60:
+    after_colon = [seconds] + ([minutes] if days is not None or rest[1] is not None else [])
+    if max(after_colon) >= 60:
         raise LaunchError(f"time {text!r}: minutes and seconds after a colon must be below 60")
     total = hours * 3600 + minutes * 60 + seconds
     if total == 0:
@@ -450,11 +451,11 @@ def ignored_options(options: argparse.Namespace) -> list[str]:
 
 
 def spec_from_options(options: argparse.Namespace, trainer_args: Sequence[str]) -> JobSpec:
-    common: dict[str, Any] = dict(
-        scheduler=options.scheduler, cpus_per_rank=options.cpus_per_rank,
-        time=options.time or "01:00:00", account=options.account, queue=options.queue,
-        job_name=options.job_name, mpi=options.mpi or "openmpi", module=options.module,
-        signal_lead=120 if options.signal_lead is None else options.signal_lead)
+    given = {name: getattr(options, name) for name in ("time", "mpi", "signal_lead")}
+    common: dict[str, Any] = dict(  # options not given take JobSpec's defaults
+        scheduler=options.scheduler, cpus_per_rank=options.cpus_per_rank, account=options.account,
+        queue=options.queue, job_name=options.job_name, module=options.module,
+        **{name: value for name, value in given.items() if value is not None})
     if options.plan:
         if options.ranks_per_node is not None:
             raise LaunchError("--ranks-per-node conflicts with --plan (the plan sets the layout)")
@@ -483,7 +484,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     options = parser.parse_args(ours)
     command = shlex.join(["python", "-m", "launch", "job", *args])
     try:
-        script = render(spec_from_options(options, trainer_args), options.templates, command)
+        spec = spec_from_options(options, trainer_args)
+        script = render(spec, options.templates, command)
     except LaunchError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     for flag in ignored_options(options):
@@ -491,6 +493,5 @@ def main(argv: Sequence[str] | None = None) -> None:
               file=sys.stderr)
     if options.time and options.time.count(":") == 1 and "-" not in options.time:
         print(f"{parser.prog}: note: --time {options.time} is MM:SS, as SLURM reads it: "
-              f"{JobSpec(options.scheduler, time=options.time, signal_lead=1).walltime}; write "
-              "HH:MM:00 for hours and minutes", file=sys.stderr)
+              f"{spec.walltime}; write HH:MM:00 for hours and minutes", file=sys.stderr)
     sys.stdout.write(script)
