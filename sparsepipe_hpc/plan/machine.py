@@ -246,8 +246,12 @@ def load_machine(path: Union[str, os.PathLike[str]], ranks: Optional[int] = None
 
 
 def _fit(sizes: Sequence[int], secs: Sequence[float]) -> Link:
-    beta, alpha = np.polyfit(np.asarray(sizes, float), np.asarray(secs, float), 1)
-    return Link(alpha=max(0.0, float(alpha)), beta=max(0.0, float(beta)))
+    """alpha: the smallest message's one-way time, the latency as measured (a fitted intercept
+    drowns in the large messages' noise: on a loaded machine it came out negative, so 0);
+    beta: the least-squares slope of time over bytes."""
+    x, y = np.asarray(sizes, float), np.asarray(secs, float)
+    beta = np.polyfit(x, y, 1)[0]
+    return Link(alpha=float(y[np.argmin(x)]), beta=max(0.0, float(beta)))
 
 
 def _pingpong(comm: Any, a: int, b: int, sizes: Sequence[int], repeats: int) -> list[float]:
