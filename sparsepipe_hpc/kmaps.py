@@ -19,7 +19,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from halo.kmap import KernelMap, kernel_map, strided_map
+from halo.kmap import KernelMap, kernel_map
+from sparsepipe_hpc import mapstream
 from sparsepipe_hpc.engine.base import Engine
 from sparsepipe_hpc.sparse import SparseTensor
 
@@ -137,8 +138,8 @@ def serial_entry(x: SparseTensor, spec: ConvSpec, key: str) -> ConvEntry:
     it."""
     def build() -> ConvEntry:
         out_shape = spec.out_shape(x.spatial_shape)
-        out, km = (x.coords, None) if spec.subm else strided_map(x.coords, *spec.geometry,
-                                                                 out_shape, x.batch_size)
+        out, km = (x.coords, None) if spec.subm else mapstream.strided_map(
+            x.coords, *spec.geometry, out_shape, x.batch_size)
         return ConvEntry(spec, x.coords, out, x.spatial_shape, out_shape, x.stride, km,
                          batch_size=x.batch_size)
 

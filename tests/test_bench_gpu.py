@@ -101,18 +101,24 @@ def test_triton_variants_are_skipped_with_the_reason_where_they_cannot_run(tmp_p
     assert steps["networks"] == ["spconv_unet", "sparseunet", "distributed_1x1x1"]
 
 
-def test_the_explicit_variant_turns_implicit_gemm_off_on_cuda_only():
+def test_the_variants_switch_one_thing_each_on_cuda_only():
     """``sparseunet_explicit`` times the strided layers as they ran before implicit GEMM became
-    CUDA's default: its context empties the switch, and puts it back after."""
+    CUDA's default, ``..._aside`` with their maps on a side stream: each context turns its one
+    switch, and puts it back after."""
     from sparsepipe_hpc.bench._gpu_tables import variants
     from sparsepipe_hpc.engine import spconv_igemm
 
+    from sparsepipe_hpc import mapstream
+
     assert variants(torch.device("cpu")) == {}
     ways = variants(torch.device("cuda"))
-    assert list(ways) == ["explicit"] and spconv_igemm.DEVICES == ("cuda",)
+    assert list(ways) == ["explicit", "aside"] and spconv_igemm.DEVICES == ("cuda",)
     with ways["explicit"]():
-        assert spconv_igemm.DEVICES == ()
+        assert spconv_igemm.DEVICES == () and not mapstream.ASIDE
     assert spconv_igemm.DEVICES == ("cuda",)
+    with ways["aside"]():
+        assert mapstream.ASIDE and spconv_igemm.DEVICES == ("cuda",)
+    assert not mapstream.ASIDE
 
 
 def test_defaults_are_the_issues_scene(monkeypatch):

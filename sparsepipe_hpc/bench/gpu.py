@@ -160,9 +160,12 @@ def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
         steps["spconv_triton_unet"] = UNetStep(triton_step, tri)
 
     steps["sparseunet"] = UNetStep(ours_step, ours)
+    ways = variants(device)
     steps.update({f"sparseunet_{v}": UNetStep(switched(ours_step, on), ours)
-                  for v, on in variants(device).items()})
+                  for v, on in ways.items()})
     steps["distributed_1x1x1"] = UNetStep(dist_step, ours)
+    if "aside" in ways:  # the target network as it would run were the side stream the default
+        steps["distributed_1x1x1_aside"] = UNetStep(switched(dist_step, ways["aside"]), ours)
     return steps
 
 

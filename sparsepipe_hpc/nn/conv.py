@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from sparsepipe_hpc import mapstream
 from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.kmaps import (ConvEntry, ConvError, ConvSpec, cache_key, inverse_entry,
                                   serial_entry)
@@ -78,10 +79,10 @@ class _SparseConvBase(nn.Module):
             raise ConvError(f"{type(self).__name__} expects {self.in_channels} input channels; "
                             f"got a tensor with {x.num_channels}")
         spatial = x.context.spatial if x.context is not None else None
-        if spatial is None and not x.kmaps:
-            # A tensor no layer has met yet (derived ones share its kmaps): check its contract
-            # once. (A distributed one was checked whole, on every rank, when it was cut.)
-            x.validate(f"{type(self).__name__} input")
+        if not x.kmaps:  # a tensor no layer has met yet (derived ones share its kmaps)
+            mapstream.note(x.coords)
+            if spatial is None:  # (a distributed one was checked whole, on every rank, when cut)
+                x.validate(f"{type(self).__name__} input")
         engine = get_engine(self.engine_name, x.feats.device)
         entry = self.entry(x)
         if spatial is not None:

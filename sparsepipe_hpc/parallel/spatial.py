@@ -39,10 +39,11 @@ import torch
 from halo.cuts import Cuts, CutError, balanced_cuts, uniform_cuts
 from halo.exchange import HaloExchange
 from halo.grid import ProcessGrid
-from halo.kmap import KernelMap, coord_keys, kernel_map, strided_map, windows_tile
+from halo.kmap import KernelMap, coord_keys, kernel_map, windows_tile
 from halo.plan import build_plan, halo_radius
 from halo.transport.base import Transport
 from halo.transport.mpi import MPITransport
+from sparsepipe_hpc import mapstream
 from sparsepipe_hpc.engine.base import Engine
 from sparsepipe_hpc.kmaps import ConvEntry, ConvError, ConvSpec, cached_entry
 from sparsepipe_hpc.parallel.failures import run_on_all
@@ -241,7 +242,7 @@ class SpatialDomain:
         elif plan is not None:
             out = plan.owned_outputs(x.coords, *geometry, out_shape)
         else:  # every input an output of this box reads is in the box (one box, aligned cuts)
-            out, local = strided_map(x.coords, *geometry, out_shape, x.batch_size)
+            out, local = mapstream.strided_map(x.coords, *geometry, out_shape, x.batch_size)
             # Windows that tile the grid from cuts on the output's grid (a U-Net's k2s2) put the
             # outputs of this box's inputs in this box: no ownership test (a device sync).
             tiles = windows_tile(s.kernel_size, s.stride, s.dilation) and s.padding == 0 \

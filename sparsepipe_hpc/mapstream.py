@@ -1,0 +1,110 @@
+"""Strided layers' kernel maps built on a side CUDA stream, so that their one host read does not
+drain the compute stream.
+
+    with mapstream.aside():          # off by default: an H100 has not timed it yet
+        y = net(x)                   # the same maps, rows and results as without
+
+A strided layer's map (:func:`halo.kmap.strided_map`) reads one small tensor back to the host: the
+number of outputs, which sizes them. On the compute stream that read waits for every convolution
+queued before it; the GPU then idles while the host finishes the map and queues the next layers
+(three times in a depth-4 U-Net step)::
+
+    compute  | conv conv conv |  idle: host builds the map  | conv ...     (now)
+    compute  | conv conv conv conv conv ...                               (aside)
+    side           | map ... read | rest of map |    -> event: compute waits for it
+
+Aside, the map's kernels run on a high-priority side stream that waits only for the coordinates
+it reads, so the host read waits for the map's own kernels while the queued convolutions run on;
+the compute stream then waits for the finished map through an event, never the host. A tensor's
+coordinates are ready on the side stream from an event recorded when a layer first met the tensor
+(:func:`note`, before anything of this forward pass was queued) or when a map built aside made
+them; coordinates with neither (a tensor whose maps came from elsewhere) make the side stream
+wait for everything queued, which is today's cost. Memory crossing streams is marked with
+``record_stream`` for torch's caching allocator.
+
+CUDA only and for maps built without communication (one rank, or a box whose strided layer needs
+no halo); elsewhere :func:`strided_map` is :func:`halo.kmap.strided_map`. Unmeasured on a GPU:
+``bench gpu`` times it as the ``aside`` variant beside the default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from halo import kmap
+from halo.kmap import KernelMap
+
+__all__ = ["ASIDE", "aside", "note", "strided_map"]
+
+ASIDE = False  # build strided maps on the side stream (CUDA); see the module docstring
+
+# coords tensor -> the event after which it is ready to read (its producer's stream at record).
+_ready: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_streams: dict[int, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def aside(on: bool = True) -> Iterator[None]:
+    """Within the block, strided maps on CUDA are (``on``) or are not built on the side stream."""
+    global ASIDE
+    saved, ASIDE = ASIDE, on
+    try:
+        yield
+    finally:
+        ASIDE = saved
+
+
+def _active(coords: torch.Tensor) -> bool:
+    return ASIDE and coords.is_cuda
+
+
+def note(coords: torch.Tensor) -> None:
+    """Record that ``coords`` is ready as of now on the current stream: a layer calls this when it
+    first meets a tensor (its ``kmaps`` still empty), before it queues any work on it. Called
+    again for the same tensor (another forward pass on it), the record is renewed, so an update of
+    the coordinates in place between passes is seen."""
+    if _active(coords):
+        _ready[coords] = torch.cuda.current_stream(coords.device).record_event()
+
+
+def _side(device: torch.device) -> torch.cuda.Stream:
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _streams:
+        # The highest priority torch offers: a free SM takes the map's small kernels first.
+        _streams[index] = torch.cuda.Stream(index, priority=-1)
+    return _streams[index]
+
+
+def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
+                stride: int | Sequence[int], padding: int | Sequence[int],
+                dilation: int | Sequence[int], out_shape: Sequence[int],
+                batch_size: Optional[int] = None) -> tuple[torch.Tensor, KernelMap]:
+    """:func:`halo.kmap.strided_map` (same arguments, same result), built on the side stream where
+    :data:`ASIDE` is on and ``in_coords`` is on a CUDA device; the current stream waits for it
+    through an event before any work queued after this call."""
+    geometry = (kernel_size, stride, padding, dilation, out_shape, batch_size)
+    if not _active(in_coords):
+        return kmap.strided_map(in_coords, *geometry)
+    compute = torch.cuda.current_stream(in_coords.device)
+    side = _side(in_coords.device)
+    ready = _ready.get(in_coords)
+    if ready is None:
+        side.wait_stream(compute)  # whatever is queued may be what writes them
+    else:
+        side.wait_event(ready)
+    with torch.cuda.stream(side):
+        out, km = kmap.strided_map(in_coords, *geometry)
+        done = side.record_event()
+    compute.wait_event(done)
+    # The caching allocator frees a block for reuse on the stream that allocated it: keep each
+    # block that the other stream reads until that stream's queued work is done.
+    in_coords.record_stream(side)
+    for t in (out, km.in_rows, km.out_rows):
+        t.record_stream(compute)
+    _ready[out] = done
+    return out, km

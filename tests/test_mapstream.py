@@ -1,0 +1,122 @@
+"""Strided maps built on a side stream: the same maps, built without draining the compute stream,
+and never before their coordinates are written (the CUDA tests skip where torch sees no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from halo.kmap import strided_map
+from helpers import random_cloud
+from sparsepipe_hpc import mapstream
+from sparsepipe_hpc.nn import SparseUNet
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+GEOMETRIES = [((2, 2, 0, 1), (8, 8, 8)), ((3, 2, 1, 1), (8, 8, 8)), ((2, 2, 1, 1), (9, 9, 9))]
+
+
+def _same(got: tuple, ref: tuple) -> None:
+    (out, km), (ref_out, ref_km) = got, ref
+    assert torch.equal(out.cpu(), ref_out.cpu())
+    assert torch.equal(km.in_rows.cpu(), ref_km.in_rows.cpu())
+    assert torch.equal(km.out_rows.cpu(), ref_km.out_rows.cpu())
+    assert torch.equal(km.ptr, ref_km.ptr) and (km.n_in, km.n_out) == (ref_km.n_in, ref_km.n_out)
+
+
+@pytest.mark.parametrize("geometry,out_shape", GEOMETRIES)
+def test_aside_on_a_cpu_is_the_plain_map(gen, geometry, out_shape):
+    x = random_cloud(gen, 1500)
+    with mapstream.aside():
+        _same(mapstream.strided_map(x.coords, *geometry, out_shape, 2),
+              strided_map(x.coords, *geometry, out_shape, 2))
+
+
+def test_a_layer_notes_each_input_once_before_its_first_map(gen, monkeypatch):
+    """The U-Net's first layer records when its input's coordinates are ready, once per forward
+    pass (a fresh ``kmaps``), before any strided map: the side stream's start."""
+    events: list[str] = []
+    monkeypatch.setattr(mapstream, "note", lambda c: events.append(f"note {len(c)}"))
+    plain = mapstream.strided_map
+    monkeypatch.setattr(mapstream, "strided_map", lambda c, *a: events.append("map") or plain(c, *a))
+    x = random_cloud(gen, 1000, channels=3)
+    net = SparseUNet(3, 4, width=4, depth=3).double()
+    for _ in range(2):
+        net(x.replace(kmaps={}))
+    assert events == ([f"note {len(x.coords)}"] + ["map"] * 3) * 2  # depth 3: three k2s2 maps
+
+
+@cuda
+@pytest.mark.parametrize("geometry,out_shape", GEOMETRIES)
+def test_aside_on_cuda_is_the_plain_map(gen, geometry, out_shape):
+    x = random_cloud(gen, 1500)
+    c = x.coords.cuda()
+    with mapstream.aside():
+        mapstream.note(c)
+        got = mapstream.strided_map(c, *geometry, out_shape, 2)
+    _same(got, strided_map(x.coords, *geometry, out_shape, 2))
+
+
+def _busy() -> None:
+    """Queue one kernel spinning for 10**9 GPU cycles (half a second at 2 GHz) on the current
+    stream."""
+    torch.cuda._sleep(10**9)
+
+
+@cuda
+def test_the_map_does_not_wait_for_the_compute_stream(gen):
+    """With half a second of work queued on the compute stream after the coordinates were noted,
+    the map is built (its host read included) while that work still runs."""
+    x = random_cloud(gen, 4000, shape=(32, 32, 32))
+    c = x.coords.cuda()
+    ref = strided_map(x.coords, 2, 2, 0, 1, (16, 16, 16), 2)
+    torch.cuda.synchronize()
+    with mapstream.aside():
+        mapstream.note(c)
+        _busy()
+        queued = torch.cuda.current_stream().record_event()
+        got = mapstream.strided_map(c, 2, 2, 0, 1, (16, 16, 16), 2)
+        assert not queued.query(), "the map waited for the compute stream's queued work"
+    torch.cuda.synchronize()
+    _same(got, ref)
+
+
+@cuda
+@pytest.mark.parametrize("noted", [True, False])
+def test_the_map_waits_for_coordinates_written_after_queued_work(gen, noted):
+    """Coordinates written by the compute stream behind half a second of work: noted after the
+    write, or not noted at all (then the side stream waits for everything queued), the map reads
+    the written values, not the buffer's earlier contents."""
+    x = random_cloud(gen, 4000, shape=(32, 32, 32))
+    src = x.coords.cuda()
+    ref = strided_map(x.coords, 2, 2, 0, 1, (16, 16, 16), 2)
+    c = torch.zeros_like(src)  # a wrong map if read before the copy below
+    torch.cuda.synchronize()
+    with mapstream.aside():
+        _busy()
+        c.copy_(src)
+        if noted:
+            mapstream.note(c)
+        got = mapstream.strided_map(c, 2, 2, 0, 1, (16, 16, 16), 2)
+    _same(got, ref)
+
+
+@cuda
+def test_unet_step_aside_equals_the_default_on_gpu(gen):
+    """A U-Net step (its strided layers and inverses through implicit GEMM) gives the same
+    outputs and gradients with its maps built aside."""
+    x = random_cloud(gen, 4000, shape=(32, 32, 32), channels=3, dtype=torch.float32)
+    xc = x.replace(coords=x.coords.cuda(), feats=x.feats.cuda())
+    torch.manual_seed(0)
+    net = SparseUNet(3, 5, width=16, depth=3).cuda()
+
+    def step() -> list[torch.Tensor]:
+        net.zero_grad()
+        y = net(xc.replace(kmaps={})).feats
+        y.square().mean().backward()
+        return [y.detach().clone()] + [q.grad.clone() for q in net.parameters()]
+
+    ref = step()
+    with mapstream.aside():
+        got = step()
+    for a, r in zip(got, ref):  # the same kernels on the same operands; atomics may reorder sums
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
