@@ -82,8 +82,11 @@ class FillsUp:
 
 class HostReads:
     """Counts the torch ops that read device data back to the host (on CUDA each waits for the
-    device): ``.item()``/``int()``, ``torch.equal``, ``nonzero`` and boolean indexing. On the
-    CPU they cost nothing, so a test counts them instead of timing them.
+    device): ``.item()``/``int()``, ``torch.equal``, ``nonzero`` and boolean indexing, and the
+    copies out of torch that dispatch no op (``.tolist()``, ``.numpy()``, ``.cpu()``, numpy's
+    ``__array__``; but not in the host transports, ``halo/transport/``, whose buffers are host
+    memory by design). On the CPU they cost nothing, so a test counts them instead of timing
+    them.
 
         with HostReads() as reads:
             layer(x)
@@ -92,6 +95,21 @@ class HostReads:
 
     SYNCING = ("_local_scalar_dense", "equal", "is_nonzero", "nonzero", "masked_select",
                "_unique2", "unique_consecutive", "unique_dim")
+    COPIES = ("tolist", "numpy", "cpu", "__array__")
+
+    def _wrap(self, name: str) -> Any:
+        import sys
+
+        real = getattr(torch.Tensor, name)
+        transport = os.path.join("halo", "transport") + os.sep
+
+        def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code.co_filename
+            if transport not in caller and not caller.endswith(os.path.join("torch", "_tensor.py")):
+                self.ops.append(name)
+            return real(t, *args, **kwargs)
+
+        return real, counted
 
     def __init__(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -117,8 +135,14 @@ class HostReads:
         return len(self.ops)
 
     def __enter__(self) -> "HostReads":
+        self._saved = {}
+        for name in self.COPIES:
+            self._saved[name], counted = self._wrap(name)
+            setattr(torch.Tensor, name, counted)
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
+        for name, real in self._saved.items():
+            setattr(torch.Tensor, name, real)
