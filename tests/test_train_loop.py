@@ -173,6 +173,25 @@ def test_resume_on_other_training_data_is_refused(data, tmp_path):
         Trainer(cfg, MPI.COMM_SELF, log=None)
 
 
+@pytest.mark.parametrize("task", ["seg", "cls"])
+def test_resume_on_data_changed_in_place_is_refused(data, tmp_path, task):
+    """Labels rewritten in place (same files, sizes and point counts) are other data too: the
+    record holds a digest of the values the full check read, and the resume is refused."""
+    copy = tmp_path / "copy"
+    shutil.copytree(data[task], copy)
+    train(tiny({task: copy}, tmp_path / "a", "--steps", "1", task=task))
+    h5 = sorted(copy.glob("*train*.h5"))[0]
+    size = h5.stat().st_size
+    with h5py.File(h5, "r+") as f:
+        labels = f["scenes"][sorted(f["scenes"])[0]]["label"] if task == "seg" else f["label"]
+        labels[0] = (labels[0] + 1) % 2
+    assert h5.stat().st_size == size
+    cfg = tiny({task: copy}, tmp_path / "b", "--steps", "2", "--resume",
+               str(tmp_path / "a" / "last.pt"), task=task)
+    with pytest.raises(SetupError, match=r"written for other training data \(content '"):
+        Trainer(cfg, MPI.COMM_SELF, log=None)
+
+
 def test_atomic_save_leaves_no_partial_file(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
     ck.atomic_save({"format": ck.FORMAT, "version": ck.VERSION, "step": 1}, path)

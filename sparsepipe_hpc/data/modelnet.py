@@ -23,10 +23,11 @@ in :mod:`sparsepipe_hpc.data.scenes`: structure always, every value with ``check
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import h5py
 import numpy as np
@@ -117,20 +118,30 @@ class ModelNetDataset:
         self.num_points = num_points
         self._bounds: Optional[tuple[np.ndarray, np.ndarray]] = None
         self._sample_bounds: Optional[tuple[np.ndarray, np.ndarray]] = None
+        #: hex digest of every file's points and labels (None with check="structure"), read by
+        #: the full check: what tells two files of equal size apart, for a resume or a rank.
+        self.digest: Optional[str] = None
         if check == "full":  # every value, and each object's box (to name outliers)
-            self._sample_bounds = self._object_boxes(labels=True)
+            content = hashlib.blake2b(digest_size=16)
+            self._sample_bounds = self._object_boxes(labels=True, content=content)
             self._bounds = (self._sample_bounds[0].min(0), self._sample_bounds[1].max(0))
+            self.digest = content.hexdigest()
 
-    def _object_boxes(self, labels: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def _object_boxes(self, labels: bool = False, content: Optional[Any] = None
+                      ) -> tuple[np.ndarray, np.ndarray]:
         """(min, max) float64 [S, 3] of each object's points, checked finite (and the labels in
-        range with ``labels``)."""
+        range with ``labels``; the points and labels fed to the hashlib hash ``content``)."""
         los, his = [], []
         for path in self.files:
             with open_h5(path) as f:
                 data = read(path, f["data"])
                 check_finite(path, "/data", data)
                 if labels:
-                    self._check_labels(path, read(path, f["label"]))
+                    label = read(path, f["label"])
+                    self._check_labels(path, label)
+                    if content is not None:
+                        content.update(np.ascontiguousarray(data))
+                        content.update(np.ascontiguousarray(label))
             los.append(data.min(1).astype(np.float64))
             his.append(data.max(1).astype(np.float64))
         return np.concatenate(los), np.concatenate(his)

@@ -38,15 +38,17 @@ coordinates, colours and labels in range, and
 points inside ``bounds_min``/``bounds_max`` when stored: stale bounds would build a grid that misses
 points). A scene that breaks a rule raises :class:`DataFormatError` naming the file, the dataset and
 the rule. ``check="structure"`` skips the value scan (for very large files); values are still
-checked when a scene is read. :func:`sparsepipe_hpc.data.splits.check_splits` checks that two
+checked when a scene is read. The full check also digests every value it reads
+(``SceneDataset.digest``), so that a resume or a rank refuses other data of the same size. :func:`sparsepipe_hpc.data.splits.check_splits` checks that two
 splits agree (classes, features, voxel size).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import h5py
 import numpy as np
@@ -186,9 +188,14 @@ class SceneDataset:
         self._scene_bounds: Optional[tuple[np.ndarray, np.ndarray]] = None
         self.voxel_size: Optional[float] = None
         self._chunks: dict[str, Optional[ChunkTable]] = {}
+        # The full check reads every value: a digest of them costs no more reading (see digest).
+        content = hashlib.blake2b(digest_size=16) if check == "full" else None
         with open_h5(path) as f:
             self._read_header(f)
-            checked = [self._check_scene(f, n, full=check == "full") for n in self.names]
+            checked = [self._check_scene(f, n, content) for n in self.names]
+        #: hex digest of every scene's name and values as read (None with check="structure"):
+        #: what tells two files of equal size apart, for a resume or another rank's copy.
+        self.digest: Optional[str] = None if content is None else content.hexdigest()
         sizes = [n for n, _ in checked]
         if check == "full":  # every scene was read: keep each one's box (names outliers)
             self._scene_bounds = (np.stack([b[0] for _, b in checked]),  # type: ignore[index]
@@ -237,9 +244,10 @@ class SceneDataset:
                                       f"(metres); got {f.attrs['voxel_size']!r}")
             self.voxel_size = float(v.reshape(-1)[0])
 
-    def _check_scene(self, f: h5py.File, name: str, full: bool
+    def _check_scene(self, f: h5py.File, name: str, content: Optional[Any]
                      ) -> tuple[int, Optional[tuple[np.ndarray, np.ndarray]]]:
-        """(points, (min, max) float64 [3] when ``full`` read the values, else None)."""
+        """(points, (min, max) float64 [3] when a full check read the values, else None). A full
+        check is asked for by ``content``, a hashlib hash that the values read are fed to."""
         p = self.path
         g = f["scenes"].get(name)
         if not isinstance(g, h5py.Group):
@@ -266,11 +274,14 @@ class SceneDataset:
                                       f"(0..1); got dtype {rgb.dtype}")
         self._chunks[name] = read_chunk_table(p, g, int(npts), self._stored_bounds)
         box = None
-        if full:  # in blocks: a scene larger than a rank's memory is checked all the same
+        if content is not None:  # in blocks: a scene larger than a rank's memory all the same
+            content.update(name.encode())
             lo, hi = np.full(3, np.inf), np.full(3, -np.inf)
             for start in range(0, npts, CHECK_BLOCK):
                 rows = None if npts <= CHECK_BLOCK else slice(start, min(npts, start + CHECK_BLOCK))
-                xyz = self._read_scene(f, name, rows)[0]
+                xyz, feats, label = self._read_scene(f, name, rows)
+                for values in (xyz, feats, label):
+                    content.update(np.ascontiguousarray(values))
                 lo, hi = np.minimum(lo, xyz.min(0)), np.maximum(hi, xyz.max(0))
             box = (lo, hi)
         return int(npts), box

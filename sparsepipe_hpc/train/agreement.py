@@ -84,8 +84,9 @@ def _flat(value: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def data_fingerprint(dataset: Any) -> dict[str, Any]:
-    """What identifies a data split without reading its points: sample count, classes, channels,
-    file names and sizes, and each sample's point count."""
+    """What identifies a data split: sample count, classes, channels, file names and sizes, each
+    sample's point count, and the digest of its values where the dataset's full check read them
+    (``dataset.digest``; None where only the structure was checked)."""
     paths = getattr(dataset, "files", None) or [dataset.path]
     per_sample = getattr(dataset, "sizes", None)
     if per_sample is None:
@@ -93,7 +94,8 @@ def data_fingerprint(dataset: Any) -> dict[str, Any]:
     return {"samples": len(dataset), "class_names": list(dataset.class_names),
             "in_channels": int(dataset.in_channels),
             "files": [[Path(p).name, os.path.getsize(p)] for p in paths],
-            "points": hashlib.sha256(np.asarray(per_sample, np.int64).tobytes()).hexdigest()[:16]}
+            "points": hashlib.sha256(np.asarray(per_sample, np.int64).tobytes()).hexdigest()[:16],
+            "content": getattr(dataset, "digest", None)}
 
 
 def check_grid_fits(grid: Sequence[int], shape: Sequence[int], stride: int,

@@ -139,11 +139,13 @@ def load_state(path: Path, state: TrainState, *, cfg: TrainConfig, out: Path, co
     notes (no manifest, another schedule, another layout). Run under :func:`agree`."""
     ckpt = ckpt_io.load_checkpoint(path)
     ckpt_io.check_compatible(ckpt, cfg.to_dict(), path)
-    saved_data = ckpt.get("data")  # (checkpoints before this record carry none)
-    if saved_data is not None and saved_data != data:
-        diff = "; ".join(f"{k} {saved_data.get(k)!r} -> {data.get(k)!r}"
-                         for k in sorted(set(saved_data) | set(data))
-                         if saved_data.get(k) != data.get(k))
+    saved_data = ckpt.get("data") or {}  # (checkpoints before this record carry none)
+    # A field either side lacks (an older checkpoint's record, a digest of unchecked values)
+    # decides nothing.
+    differ = sorted(k for k in saved_data if saved_data[k] is not None
+                    and data.get(k) is not None and saved_data[k] != data[k])
+    if differ:
+        diff = "; ".join(f"{k} {saved_data[k]!r} -> {data[k]!r}" for k in differ)
         raise ckpt_io.CheckpointError(
             f"--resume {path}: the checkpoint was written for other training data ({diff}); "
             f"a resume continues the same run: pass its --data, or start a new run without "
