@@ -234,6 +234,22 @@ def test_modelnet_natural_file_order(tmp_path):
     assert [ds[i].label for i in range(3)] == [0, 2, 10]
 
 
+def test_modelnet_split_is_a_word_of_the_file_name(tmp_path):
+    """``train_latest.h5`` is a training file, not a test one ("latest" holds "test"); a name
+    with two splits is refused, where both splits read it and test accuracy would be inflated."""
+    from sparsepipe_hpc.data.modelnet import split_files
+
+    for name in ("ply_data_train0.h5", "ply_data_test0.h5", "train_latest.h5", "contest1.h5"):
+        write_modelnet(tmp_path / name, np.zeros((1, 4, 3)), [0], None)
+    assert [p.name for p in split_files(tmp_path, "train")] == ["ply_data_train0.h5",
+                                                                "train_latest.h5"]
+    assert [p.name for p in split_files(tmp_path, "test")] == ["ply_data_test0.h5"]
+    write_modelnet(tmp_path / "train_test.h5", np.zeros((1, 4, 3)), [0], None)
+    for split in ("train", "test"):
+        expect(lambda: split_files(tmp_path, split), tmp_path / "train_test.h5",
+               f"names split '{split}' and also")
+
+
 def test_modelnet_no_files_for_split(tmp_path, modelnet_file):
     expect(lambda: ModelNetDataset(tmp_path, "test"), tmp_path, "no '*test*.h5' files")
 

@@ -16,7 +16,8 @@ Class names, and with them K, come from the first of: the ``class_names`` argume
 attribute ``class_names`` (list of str, as written by :func:`write_modelnet`); a ``shape_names.txt``
 beside the files (PointNet's, one name a line); else K = 40 (ModelNet40) with names ``class_<k>``.
 
-Files of a directory are those ``*.h5`` whose name contains the split, in natural order
+Files of a directory are those ``*.h5`` whose name names the split as a word (``train0``,
+``ply_data_train1``; ``latest`` is not ``test``; a name with two splits is refused), in natural order
 (``train2`` before ``train10``); a global index walks the files in that order. Validation works as
 in :mod:`sparsepipe_hpc.data.scenes`: structure always, every value with ``check="full"``.
 """
@@ -61,10 +62,25 @@ def _natural_key(p: Path) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
 
+SPLIT_WORDS = ("train", "test", "val")  # a file naming two of these belongs to no one split
+
+
+def _names(name: str, split: str) -> bool:
+    """Whether a file name names ``split`` as a word: not inside a longer word, digits after it
+    allowed (``ply_data_train0.h5``, ``train_1.h5``; not ``latest.h5`` for test)."""
+    return re.search(rf"(?<![A-Za-z]){re.escape(split)}\d*(?![A-Za-z])", name) is not None
+
+
 def split_files(directory: str | Path, split: str) -> list[Path]:
-    """The ``*.h5`` files of ``directory`` whose name contains ``split``, in natural order."""
+    """The ``*.h5`` files of ``directory`` whose name names ``split`` as a word, in natural
+    order; DataFormatError for one that names another split too (it would be read by both)."""
     d = Path(directory)
-    files = sorted((p for p in d.glob("*.h5") if split in p.name), key=_natural_key)
+    files = sorted((p for p in d.glob("*.h5") if _names(p.name, split)), key=_natural_key)
+    for p in files:
+        others = [w for w in SPLIT_WORDS if w != split and _names(p.name, w)]
+        if others:
+            raise DataFormatError(f"{p}: the name names split '{split}' and also "
+                                  f"'{others[0]}'; each file must belong to one split: rename it")
     if not files:
         have = sorted(p.name for p in d.iterdir())[:10] if d.is_dir() else []
         raise DataFormatError(f"{d}: no '*{split}*.h5' files for split '{split}' (found {have})")
