@@ -216,6 +216,21 @@ def test_trace_and_deferred_bn_options(tmp_path):
         parse_config(["--trace", str(tmp_path)])
 
 
+def test_options_that_change_nothing_are_noted():
+    """Accepted (a short trial of a long run's options) but said: a warm-up as long as the run,
+    and pipeline options without a pipeline."""
+    from sparsepipe_hpc.train.config import option_notes
+
+    assert option_notes(parse_config([])) == []
+    assert option_notes(parse_config(["--stages", "2", "--deferred-bn", "--pipeline-schedule",
+                                      "gpipe", "--steps", "5", "--warmup", "4"])) == []
+    notes = option_notes(parse_config(["--steps", "4", "--warmup", "4", "--deferred-bn",
+                                       "--pipeline-schedule", "gpipe"]))
+    assert [n.split(" ")[1] for n in notes] == ["--warmup", "--deferred-bn",
+                                                "--pipeline-schedule"], notes
+    assert "never reaches --lr" in notes[0]
+
+
 def test_a_default_batch_that_does_not_split_over_the_replicas_grows_to_fit():
     """`mpirun -n 8 python -m sparsepipe_hpc.train` runs: the seg default of 4 samples becomes
     8 (one per replica), said in a note; a --batch-size given is kept, and refused if it does

@@ -44,8 +44,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from sparsepipe_hpc.data import DataFormatError, DataGenerationError
     from sparsepipe_hpc.parallel.layout import LayoutError
     from sparsepipe_hpc.train.checkpoint import CheckpointError
-    from sparsepipe_hpc.train.config import (ConfigError, fit_default_batch, parse_config,
-                                              resolve_layout)
+    from sparsepipe_hpc.train.config import (ConfigError, fit_default_batch, option_notes,
+                                              parse_config, resolve_layout)
     from sparsepipe_hpc.train.device import compute_threads
     from sparsepipe_hpc.train.agreement import SetupError, agree, check_same
     from sparsepipe_hpc.train.loop import Trainer
@@ -70,8 +70,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from sparsepipe_hpc.plan.auto import auto_plan
             cfg = auto_plan(cfg, comm)
         cfg, note = fit_default_batch(cfg, comm.Get_size())
-        if note and comm.Get_rank() == 0:
-            print(note, flush=True)
+        if comm.Get_rank() == 0:
+            for line in ([note] if note else []) + option_notes(cfg):
+                print(line, flush=True)
         resolve_layout(cfg, comm.Get_size())  # the batch/replica checks, before any collective
         torch.set_num_threads(compute_threads(cfg, comm))
         install_sigterm_handler()  # flag only: the loop agrees on it and checkpoints collectively

@@ -38,7 +38,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser as a package (a cond
 
 __all__ = ["ConfigError", "TrainConfig", "TASK_DEFAULTS", "build_parser", "parse_config",
            "resolve_layout", "local_batch_size", "distributed_input", "use_prefetch",
-           "check_input_options", "fit_default_batch"]
+           "check_input_options", "fit_default_batch", "option_notes"]
 
 TASKS = ("seg", "cls")
 INPUTS = ("auto", "whole", "distributed")
@@ -489,6 +489,23 @@ def fit_default_batch(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, O
     note = (f"--batch-size {batch}: the {cfg.task} default {cfg.batch_size} does not split over "
             f"{replicas} replicas (pass --batch-size to choose)")
     return dataclasses.replace(cfg, batch_size=batch), note
+
+
+def option_notes(cfg: TrainConfig) -> list[str]:
+    """Lines saying which given options change nothing, or not what they seem to: accepted, as a
+    run may mean them (a short trial of a long run's options), but never silently."""
+    notes = []
+    if cfg.steps is not None and 0 < cfg.steps <= cfg.warmup:
+        notes.append(f"note: --warmup {cfg.warmup} is not shorter than --steps {cfg.steps}: the "
+                     f"learning rate rises for the whole run and never reaches --lr {cfg.lr:g}")
+    unpipelined = cfg.stages == 1 and cfg.micro_batches == 1
+    if unpipelined and cfg.deferred_bn:
+        notes.append("note: --deferred-bn changes nothing without --stages or --micro-batches "
+                     "(BatchNorm's statistics are updated once per step already)")
+    if unpipelined and cfg.pipeline_schedule != TrainConfig.pipeline_schedule:
+        notes.append(f"note: --pipeline-schedule {cfg.pipeline_schedule} changes nothing without "
+                     "--stages or --micro-batches")
+    return notes
 
 
 def resolve_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
