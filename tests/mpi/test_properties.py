@@ -99,6 +99,21 @@ LAYERS = st.sampled_from([
     ("down", 2, 0), ("down", 3, 1), ("down", 3, 0)])  # kind, kernel, dilation or padding
 
 
+def reach(kind: str, k: int, arg: int) -> int:
+    """Voxels (level 0) that every interior box must span for the layer's halo to be exact: the
+    layer's own reach, worked out here, not asked of the library. A submanifold layer reaches
+    ``dilation * (k // 2)``; a strided pair, conservatively, a few voxels more than its kernel
+    (its inverse runs at stride 2, on cuts that may fall between the coarse voxels)."""
+    return arg * (k // 2) if kind == "subm" else 2 * k + 2
+
+
+def thinnest_interior(cuts: Cuts) -> int:
+    """The narrowest box with boxes on both sides along its axis (level-0 voxels); a large number
+    where no axis has one."""
+    widths = [w for b in cuts.bounds for w in np.diff(b)[1:-1]]
+    return int(min(widths)) if widths else 1 << 30
+
+
 def build(kind: str, k: int, arg: int) -> torch.nn.Module:
     if kind == "subm":
         return torch.nn.Sequential(SubMConv3d(3, 4, k, dilation=arg))
@@ -141,7 +156,13 @@ def test_distributed_layers_equal_serial_or_refuse_everywhere(data, x, layer, gr
             torch.testing.assert_close(pd.grad, ps.grad, **TOL)
         return "equal"
 
-    agreed(check)
+    outcome = agreed(check)
+    # A refusal must be deserved: only where an interior box is thinner than the layer's reach
+    # (the first and last boxes may be thin, even empty). Subm reaches are exact both ways.
+    thin = thinnest_interior(cuts) < reach(*layer)
+    assert (outcome != "equal") <= thin, f"refused with every interior box thick: {outcome}"
+    if layer[0] == "subm":
+        assert (outcome != "equal") == thin, f"{outcome}; cuts {cuts.bounds}"
 
 
 @SETTINGS
