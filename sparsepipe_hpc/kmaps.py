@@ -101,16 +101,23 @@ def cached_entry(x: SparseTensor, key: str, spec: ConvSpec,
     """``x.kmaps[key]`` for convolution ``spec``, made by ``build()`` when absent or stale.
 
     An entry serves the voxel set it was built for: ``x.coords`` itself (the tensor object the
-    layers pass along, so the test reads nothing from a device). Under an automatic key
+    layers pass along, so the test reads nothing from a device), on the same grid (shape,
+    stride, batch size). Under an automatic key
     (:func:`cache_key` without an indice_key) another voxel set at the same stride -- after a
     non-submanifold stride-1 convolution, or ``x.replace(coords=...)`` -- gets its own map, built
     in place of the old. Under an indice_key, which names one convolution's map, another
     geometry, or other voxels (compared by value where the tensors differ), is a ConvError."""
     e: Optional[ConvEntry] = x.kmaps.get(key)
-    if e is not None and e.in_coords is not x.coords and key == cache_key(spec, x.stride):
-        e = None  # an automatic key's entry for another voxel set
+    automatic = key == cache_key(spec, x.stride)
+    if e is not None and automatic and (e.in_coords is not x.coords or not _same_grid(e, x)):
+        e = None  # an automatic key's entry for another voxel set or grid
     if e is None:
         e = x.kmaps[key] = build()
+    elif not _same_grid(e, x):
+        raise ConvError(f"indice_key {key!r} names a map built on a grid of shape {e.in_shape} "
+                        f"at stride {e.in_stride} with batch size {e.batch_size}; this input has "
+                        f"{x.spatial_shape}, {x.stride}, {x.batch_size}: give this layer its own "
+                        f"indice_key")
     elif e.spec != spec:
         raise ConvError(f"indice_key {key!r} names a convolution of kernel_size "
                         f"{e.spec.kernel_size}, stride {e.spec.stride}, padding {e.spec.padding}, "
@@ -122,6 +129,13 @@ def cached_entry(x: SparseTensor, key: str, spec: ConvSpec,
                         f"({len(e.in_coords)} voxels; this input has {len(x.coords)}): give "
                         f"this layer its own indice_key")
     return e
+
+
+def _same_grid(e: ConvEntry, x: SparseTensor) -> bool:
+    """Whether ``e`` was built on ``x``'s grid: its shape (which bounds a strided layer's
+    outputs), stride and batch size."""
+    return (e.in_shape, e.in_stride, e.batch_size) == (tuple(x.spatial_shape), x.stride,
+                                                       x.batch_size)
 
 
 def _same_voxels(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -224,6 +224,26 @@ def test_an_indice_key_names_one_convolution(gen):
         SparseConv3d(3, 4, 2, 2, indice_key="k")(other)
 
 
+def test_a_map_serves_only_the_grid_it_was_built_on(gen):
+    """``x.replace(spatial_shape=...)`` shares coords and maps: a strided layer reused the map of
+    the smaller grid, dropping the outputs past its face and keeping its shape. Now an automatic
+    key rebuilds, and an indice_key is refused."""
+    from sparsepipe_hpc.sparse import SparseTensor
+
+    coords = torch.tensor([[0, 15, 15, 15]], dtype=torch.int32)
+    x16 = SparseTensor(coords, torch.ones(1, 1), (16, 16, 16), 1)
+    conv = SparseConv3d(1, 1, 3, 1, 1)
+    conv(x16)
+    y = conv(x16.replace(spatial_shape=(20, 20, 20)))
+    assert y.num_voxels == 27 and y.spatial_shape == (20, 20, 20)
+    keyed = SparseConv3d(1, 1, 3, 1, 1, indice_key="k")
+    keyed(x16)
+    with pytest.raises(ConvError, match=r"indice_key 'k' names a map built on a grid of shape "
+                                        r"\(16, 16, 16\) at stride 1 with batch size 1; this "
+                                        r"input has \(20, 20, 20\), 1, 1"):
+        keyed(x16.replace(spatial_shape=(20, 20, 20)))
+
+
 def test_a_unet_builds_each_kernel_map_once(gen, monkeypatch):
     """The layers hand the same coords tensor along, so no map is built twice in a step."""
     import sparsepipe_hpc.kmaps as kmaps

@@ -79,6 +79,12 @@ class _SparseConvBase(nn.Module):
             raise ConvError(f"{type(self).__name__} expects {self.in_channels} input channels; "
                             f"got a tensor with {x.num_channels}")
         spatial = x.context.spatial if x.context is not None else None
+        if spatial is None and getattr(x.context, "group", None) is not None:
+            # Every rank of the group takes this branch alike: an error, not a hang.
+            raise ConvError(f"{type(self).__name__}: the input carries a spatially parallel "
+                            f"context that no batch is bound to, so this rank's voxels have no "
+                            f"box to exchange halos over; make the input with ctx.distribute(...) "
+                            f"or read_distributed(...), not x.replace(context=ctx)")
         if not x.kmaps:  # a tensor no layer has met yet (derived ones share its kmaps)
             mapstream.note(x.coords)
             if spatial is None:  # (a distributed one was checked whole, on every rank, when cut)

@@ -274,7 +274,8 @@ class SpatialDomain:
             maps = DistMaps(local, halo, HaloExchange(plan, self.group.transport), self.group)
         if native:
             maps.subm = (x.coords, x.spatial_shape, x.batch_size, s.kernel_size, s.dilation)
-        return ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, None, maps)
+        return ConvEntry(s, x.coords, out, x.spatial_shape, out_shape, x.stride, None, maps,
+                         batch_size=x.batch_size)
 
 
 class _DistConv(torch.autograd.Function):

@@ -486,6 +486,20 @@ def test_distribute_refuses_a_payload_without_a_row_per_voxel(comm):
     assert reads.ops.count("nonzero") == (comm.size > 1) and "index" not in reads.ops, reads.ops
 
 
+def test_a_convolution_on_a_context_bound_to_no_batch_is_refused(comm):
+    """A tensor given the bare context (``x.replace(context=ctx)``, or built by hand) looks
+    distributed but has no box: its convolutions ran serially on this rank's voxels, without a
+    halo, and gave a wrong answer silently; now every rank raises, naming the remedy."""
+    from sparsepipe_hpc.kmaps import ConvError
+
+    conv = SubMConv3d(3, 4, 3).double()
+    with ParallelContext(comm, RankLayout(1, 1, (comm.size, 1, 1)), force_spatial=True) as ctx:
+        xl, = ctx.distribute(make_cloud(1, "random"))
+        conv(xl.replace(kmaps={}))  # bound: runs
+        with pytest.raises(ConvError, match=r"no batch is bound to.*ctx.distribute"):
+            conv(xl.replace(context=ctx, kmaps={}))
+
+
 def test_a_rank_that_cuts_another_batch_or_with_other_options_stops_every_rank(comm):
     """distribute/decompose is collective: a rank whose batch breaks the contract (here a
     repeated voxel), differs (a voxel less), or whose options differ (align, cuts mode) made its
