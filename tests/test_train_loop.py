@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -190,6 +191,21 @@ def test_resume_on_data_changed_in_place_is_refused(data, tmp_path, task):
                str(tmp_path / "a" / "last.pt"), task=task)
     with pytest.raises(SetupError, match=r"written for other training data \(content '"):
         Trainer(cfg, MPI.COMM_SELF, log=None)
+
+
+def test_a_resume_refused_for_a_grown_default_batch_says_why(tmp_path):
+    """A default batch grows with the replicas (4 -> 6 on 3): resuming a 1-process run on 3 is
+    refused, and the message says the default grew and which replica counts divide the batch."""
+    saved = parse_config([]).to_dict()
+    now = dataclasses.replace(parse_config([]), batch_size=6).to_dict()
+    with pytest.raises(ck.CheckpointError, match=r"--batch-size 4 -> 6.*left at its default.*"
+                                                 r"keeps the checkpoint's 4, so it needs a number "
+                                                 r"of replicas that divides it"):
+        ck.check_compatible({"config": saved}, now, tmp_path / "last.pt")
+    given = parse_config(["--batch-size", "6"]).to_dict()
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.check_compatible({"config": saved}, given, tmp_path / "last.pt")
+    assert "left at its default" not in str(info.value)
 
 
 def test_atomic_save_leaves_no_partial_file(tmp_path, monkeypatch):

@@ -270,5 +270,12 @@ def check_compatible(ckpt: dict[str, Any], config: dict[str, Any], path: Path) -
     diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
             for k in MUST_MATCH if k in saved and saved.get(k) != config.get(k)]
     if diff:
+        hint = ""
+        if "batch_size" in config.get("defaulted", ()) and saved.get("batch_size") != \
+                config.get("batch_size"):
+            hint = (f" (--batch-size was left at its default, which grows to a multiple of the "
+                    f"replicas: a resume keeps the checkpoint's {saved.get('batch_size')}, so it "
+                    f"needs a number of replicas that divides it)")
         raise CheckpointError(f"--resume {path}: the checkpoint was written with other options "
-                              f"({'; '.join(diff)}); pass the checkpoint's values to continue it")
+                              f"({'; '.join(diff)}); pass the checkpoint's values to continue "
+                              f"it{hint}")
