@@ -18,9 +18,11 @@ it reads, so the host read waits for the map's own kernels while the queued conv
 the compute stream then waits for the finished map through an event, never the host. A tensor's
 coordinates are ready on the side stream from an event recorded when a layer first met the tensor
 (:func:`note`, before anything of this forward pass was queued) or when a map built aside made
-them; coordinates with neither (a tensor whose maps came from elsewhere) make the side stream
-wait for everything queued, which is today's cost. Memory crossing streams is marked with
-``record_stream`` for torch's caching allocator.
+them; coordinates with neither make the side stream wait for everything queued, which is
+today's cost: a pipeline stage's received coordinates (their maps are rebuilt on arrival), a
+distributed layer whose outputs needed an ownership test (itself a device read). Memory crossing
+streams is marked with ``record_stream`` for torch's caching allocator; the side stream keeps a
+pool of its own there (the maps' scratch memory is cached apart from the compute stream's).
 
 CUDA only and for maps built without communication (one rank, or a box whose strided layer needs
 no halo); elsewhere :func:`strided_map` is :func:`halo.kmap.strided_map`. Unmeasured on a GPU:
@@ -65,18 +67,25 @@ def _active(coords: torch.Tensor) -> bool:
 def note(coords: torch.Tensor) -> None:
     """Record that ``coords`` is ready as of now on the current stream: a layer calls this when it
     first meets a tensor (its ``kmaps`` still empty), before it queues any work on it. Called
-    again for the same tensor (another forward pass on it), the record is renewed, so an update of
-    the coordinates in place between passes is seen."""
-    if _active(coords):
+    again for the same tensor (another forward pass on it), the record is renewed, or dropped
+    where it cannot be made (aside off, or a CUDA graph being captured), so an update of the
+    coordinates in place between passes is never missed."""
+    if not coords.is_cuda:
+        return
+    if ASIDE and not torch.cuda.is_current_stream_capturing():
         _ready[coords] = torch.cuda.current_stream(coords.device).record_event()
+    else:
+        _ready.pop(coords, None)
 
 
 def _side(device: torch.device) -> torch.cuda.Stream:
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     if index not in _streams:
-        # The highest priority torch offers: a free SM takes the map's small kernels first.
-        _streams[index] = torch.cuda.Stream(index, priority=-1)
+        # The highest priority torch offers (it maps a value past its range to the nearest end;
+        # the compute and transport streams have priority 0): a free SM takes the map's small
+        # kernels first.
+        _streams[index] = torch.cuda.Stream(index, priority=-64)
     return _streams[index]
 
 
@@ -97,13 +106,14 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
         side.wait_stream(compute)  # whatever is queued may be what writes them
     else:
         side.wait_event(ready)
+    # The caching allocator frees a block for reuse on the stream that allocated it: keep each
+    # block that the other stream reads until that stream's queued work is done (before the
+    # build: should it raise, its queued kernels may still read the coordinates).
+    in_coords.record_stream(side)
     with torch.cuda.stream(side):
         out, km = kmap.strided_map(in_coords, *geometry)
         done = side.record_event()
     compute.wait_event(done)
-    # The caching allocator frees a block for reuse on the stream that allocated it: keep each
-    # block that the other stream reads until that stream's queued work is done.
-    in_coords.record_stream(side)
     for t in (out, km.in_rows, km.out_rows):
         t.record_stream(compute)
     _ready[out] = done

@@ -37,7 +37,8 @@ def test_a_layer_notes_each_input_once_before_its_first_map(gen, monkeypatch):
     events: list[str] = []
     monkeypatch.setattr(mapstream, "note", lambda c: events.append(f"note {len(c)}"))
     plain = mapstream.strided_map
-    monkeypatch.setattr(mapstream, "strided_map", lambda c, *a: events.append("map") or plain(c, *a))
+    monkeypatch.setattr(mapstream, "strided_map",
+                        lambda c, *a: events.append("map") or plain(c, *a))
     x = random_cloud(gen, 1000, channels=3)
     net = SparseUNet(3, 4, width=4, depth=3).double()
     for _ in range(2):
@@ -63,21 +64,80 @@ def _busy() -> None:
 
 
 @cuda
-def test_the_map_does_not_wait_for_the_compute_stream(gen):
+@pytest.mark.parametrize("geometry,out_shape", GEOMETRIES)
+def test_the_map_does_not_wait_for_the_compute_stream(gen, geometry, out_shape):
     """With half a second of work queued on the compute stream after the coordinates were noted,
-    the map is built (its host read included) while that work still runs."""
+    the map is built (its host reads included) while that work still runs. (A first build
+    beforehand loads the kernels: CUDA's lazy loading may wait for the device.)"""
     x = random_cloud(gen, 4000, shape=(32, 32, 32))
     c = x.coords.cuda()
-    ref = strided_map(x.coords, 2, 2, 0, 1, (16, 16, 16), 2)
-    torch.cuda.synchronize()
+    ref = strided_map(x.coords, *geometry, out_shape, 2)
     with mapstream.aside():
+        mapstream.strided_map(c.clone(), *geometry, out_shape, 2)
+        torch.cuda.synchronize()
         mapstream.note(c)
         _busy()
         queued = torch.cuda.current_stream().record_event()
-        got = mapstream.strided_map(c, 2, 2, 0, 1, (16, 16, 16), 2)
+        got = mapstream.strided_map(c, *geometry, out_shape, 2)
         assert not queued.query(), "the map waited for the compute stream's queued work"
     torch.cuda.synchronize()
     _same(got, ref)
+
+
+@cuda
+def test_the_compute_stream_waits_for_the_map(gen, monkeypatch):
+    """Where the side stream writes the map's rows half a second late, the compute stream's
+    first read of them, queued at once, still sees them written."""
+    from halo import kmap
+
+    x = random_cloud(gen, 4000, shape=(32, 32, 32))
+    ref = strided_map(x.coords, 2, 2, 0, 1, (16, 16, 16), 2)
+    real = kmap.strided_map
+
+    def late(*args):
+        out, km = real(*args)
+        _busy()  # on the side stream: the copies below land after it
+        km.in_rows = km.in_rows.clone()
+        return out.clone(), km
+
+    monkeypatch.setattr(mapstream.kmap, "strided_map", late)
+    c = x.coords.cuda()
+    with mapstream.aside():
+        mapstream.note(c)
+        out, km = mapstream.strided_map(c, 2, 2, 0, 1, (16, 16, 16), 2)
+        seen = km.in_rows.clone(), out.clone()  # on the compute stream, right away
+    assert torch.equal(seen[0].cpu(), ref[1].in_rows) and torch.equal(seen[1].cpu(), ref[0])
+
+
+@cuda
+def test_a_map_freed_while_the_compute_stream_reads_it_is_not_reused_early(gen):
+    """The compute stream's read of a map, queued behind half a second of work, sees its rows
+    even where the map is dropped at once and a second map is built aside (the allocator would
+    hand the first map's memory to the second's without ``record_stream``)."""
+    a, b = random_cloud(gen, 4000, shape=(32, 32, 32)), random_cloud(gen, 4000, shape=(32, 32, 32))
+    ref = strided_map(a.coords, 2, 2, 0, 1, (16, 16, 16), 2)[1].in_rows
+    with mapstream.aside():
+        ca, cb = a.coords.cuda(), b.coords.cuda()
+        mapstream.note(ca)
+        mapstream.note(cb)
+        _, km = mapstream.strided_map(ca, 2, 2, 0, 1, (16, 16, 16), 2)
+        _busy()
+        seen = km.in_rows + 0  # runs after the busy kernel
+        del km
+        mapstream.strided_map(cb, 2, 2, 0, 1, (16, 16, 16), 2)
+    assert torch.equal(seen.cpu(), ref)
+
+
+@cuda
+def test_a_note_made_with_aside_off_drops_the_old_record():
+    """A tensor noted aside, then met again with aside off, keeps no record: a later map built
+    aside waits for everything queued instead of trusting a record older than an update."""
+    c = torch.zeros(4, 4, dtype=torch.int32, device="cuda")
+    with mapstream.aside():
+        mapstream.note(c)
+    assert c in mapstream._ready
+    mapstream.note(c)
+    assert c not in mapstream._ready
 
 
 @cuda
@@ -116,7 +176,9 @@ def test_unet_step_aside_equals_the_default_on_gpu(gen):
         return [y.detach().clone()] + [q.grad.clone() for q in net.parameters()]
 
     ref = step()
+    mapstream._streams.clear()
     with mapstream.aside():
         got = step()
+    assert mapstream._streams, "no map was built aside"
     for a, r in zip(got, ref):  # the same kernels on the same operands; atomics may reorder sums
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
