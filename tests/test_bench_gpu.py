@@ -371,7 +371,8 @@ def test_rounds_are_kept_and_ratios_paired_round_by_round():
     fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
     t = time_alternating(fns, torch.device("cpu"), repeats=2, warmup=1,
                          before=lambda: calls.append("free"))
-    assert calls == ["free", "a", "free", "b"] * 3  # one warm-up round, two timed
+    # One warm-up round, two timed, each round starting one function later than the last.
+    assert calls == ["free", "a", "free", "b"] * 2 + ["free", "b", "free", "a"]
     assert len(t["a"]["all_s"]) == 2 and t["a"]["peak_over_start_bytes"] is None
     times = {"ours": {"all_s": [2.0, 4.0, 3.0]}, "base": {"all_s": [1.0, 2.0, 3.0]}}
     assert paired_ratios(times, "ours", "base") == {"median": 2.0, "min": 1.0, "max": 2.0}

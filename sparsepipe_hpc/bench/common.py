@@ -73,8 +73,9 @@ def time_alternating(fns: Mapping[str, Callable[[], Any]], device: torch.device,
     other functions' objects hold meanwhile).
 
     ``warmup`` rounds, then ``repeats`` rounds that call every function once in turn, so that
-    drift (clocks, other load, allocator state) falls on all of them alike; ``before`` runs
-    untimed ahead of every call (say, to free every model's gradients).
+    drift (clocks, other load, allocator state) falls on all of them alike, each round starting
+    one function later than the last (no function always runs first, or after the same one);
+    ``before`` runs untimed ahead of every call (say, to free every model's gradients).
     """
     for _ in range(warmup):
         for fn in fns.values():
@@ -84,8 +85,10 @@ def time_alternating(fns: Mapping[str, Callable[[], Any]], device: torch.device,
     times: dict[str, list[float]] = {name: [] for name in fns}
     peaks: dict[str, Optional[int]] = {name: None for name in fns}
     added: dict[str, Optional[int]] = {name: None for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(repeats if names else 0):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
             if before is not None:
                 before()
             t, peak, base = _time_once(fn, device)

@@ -3,16 +3,20 @@
     python -m sparsepipe_hpc.bench dense --json dense.json [--sizes 64 96 128] [--limit 300]
 
 For each N, two fresh processes each build one network and time forward+backward: the sparse
-U-Net on the occupied voxels, and the same architecture with ``torch.nn.Conv3d`` (kernel 3,
-padding 1), ``ConvTranspose3d`` and ``BatchNorm3d`` on the full dense grid. Peak memory is the
-process's peak resident set minus its resident set just before the network ran. A dense run that
-passes ``--limit`` seconds is reported as out of time (killed).
+U-Net on the occupied voxels (kernel maps built every step, as in training), and the same
+architecture with ``torch.nn.Conv3d`` (kernel 3, padding 1), ``ConvTranspose3d`` and
+``BatchNorm3d`` on the full dense grid. Each runs one untimed step first (a first call's set-up:
+spconv's, the allocator's), then ``--repeats`` timed ones: ``time_s`` is their median, ``all_s``
+every one. Peak memory (``peak_mb``, MiB) is the process's peak resident set over the timed steps
+minus its resident set before them (None where the kernel's peak mark cannot be reset). A run
+that passes ``--limit`` seconds is reported as out of time (killed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -75,9 +79,9 @@ def _status_mb(field: str) -> float:
     return float("nan")
 
 
-def _reset_peak() -> None:
+def _reset_peak() -> bool:
     """Return freed heap to the OS and reset the kernel's peak-RSS mark (VmHWM), so that the
-    peak covers the network alone."""
+    peak covers the network alone; False where the mark could not be reset."""
     try:
         import ctypes
 
@@ -88,10 +92,11 @@ def _reset_peak() -> None:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass
+        return False
+    return True
 
 
-def _child(kind: str, n: int, width: int) -> dict:
+def _child(kind: str, n: int, width: int, repeats: int) -> dict:
     """Run one measurement in this process; print JSON."""
     torch.set_num_threads(1)
     from sparsepipe_hpc.bench.common import synthetic_room
@@ -115,19 +120,27 @@ def _child(kind: str, n: int, width: int) -> dict:
         inp = torch.zeros(1, 3, n, n, n)
         c = x.coords.long()
         inp[0, :, c[:, 1], c[:, 2], c[:, 3]] = x.feats.t()
-    _reset_peak()
+    def step() -> float:
+        net.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        out = net(inp.replace(kmaps={}) if kind == "sparse" else inp)
+        (out.feats if kind == "sparse" else out).square().mean().backward()
+        return time.perf_counter() - t
+
+    step()  # untimed: a first call's set-up
+    net.zero_grad(set_to_none=True)
+    reset = _reset_peak()
     base = _status_mb("VmRSS")
-    t = time.perf_counter()
-    out = net(inp)
-    (out.feats if kind == "sparse" else out).square().mean().backward()
-    elapsed = time.perf_counter() - t
+    times = [step() for _ in range(repeats)]
     peak = _status_mb("VmHWM")
     return {"kind": kind, "n": n, "voxels": x.num_voxels, "occupancy": x.num_voxels / n ** 3,
-            "time_s": elapsed, "peak_mb": peak - base}
+            "time_s": statistics.median(times), "all_s": times,
+            "peak_mb": peak - base if reset else None}
 
 
-def measure(kind: str, n: int, width: int, limit: float) -> dict:
-    cmd = [sys.executable, "-m", "sparsepipe_hpc.bench.dense", "--child", kind, str(n), str(width)]
+def measure(kind: str, n: int, width: int, limit: float, repeats: int = 3) -> dict:
+    cmd = [sys.executable, "-m", "sparsepipe_hpc.bench.dense", "--child", kind, str(n), str(width),
+           str(repeats)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
@@ -147,10 +160,12 @@ def run(sizes: list[int], width: int, limit: float) -> list[dict]:
         row = {"n": n, "sparse": s, "dense": d}
         if s["status"] == d["status"] == "ok":
             row["time_ratio_dense_over_sparse"] = d["time_s"] / s["time_s"]
-            row["memory_ratio_dense_over_sparse"] = d["peak_mb"] / max(s["peak_mb"], 1e-3)
+            row["memory_ratio_dense_over_sparse"] = (
+                d["peak_mb"] / s["peak_mb"] if d["peak_mb"] is not None and s["peak_mb"]
+                else None)
         rows.append(row)
-        fmt = (lambda r: f"{r['time_s']:7.2f} s {r['peak_mb']:8.0f} MB" if r["status"] == "ok"
-               else r["status"])
+        fmt = (lambda r: f"{r['time_s']:7.2f} s {r['peak_mb'] or float('nan'):8.0f} MiB"
+               if r["status"] == "ok" else r["status"])
         print(f"{n:4d}^3  occupancy {s.get('occupancy', float('nan')):.4f}  sparse {fmt(s)}  "
               f"dense {fmt(d)}", flush=True)
     return rows
@@ -158,7 +173,7 @@ def run(sizes: list[int], width: int, limit: float) -> list[dict]:
 
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "--child":
-        print(json.dumps(_child(argv[1], int(argv[2]), int(argv[3]))))
+        print(json.dumps(_child(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))))
         return
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench dense")
     p.add_argument("--json")

@@ -166,7 +166,7 @@ def _build(args: argparse.Namespace, x: SparseTensor, balance: tuple[int, int]) 
         mine = split_batch(x, 2)[world.rank][0]
 
         def data_step(net=net, ctx=ctx, opt=opt, mine=mine) -> None:
-            (xl,) = ctx.distribute(mine, align=align)
+            (xl,) = ctx.distribute(mine.replace(kmaps={}), align=align)  # maps built, as above
             opt.zero_grad(set_to_none=True)
             _loss(net(xl), total).backward()
             ctx.allreduce_gradients(net)

@@ -28,8 +28,10 @@
    measured and predicted.
 
 Reported: per plan predicted and measured seconds and the error; median absolute error; whether
-the measured-fastest plan is predicted first (or within 5 %); even / balanced speed-up measured
-and predicted. Figures measure this machine; on 2 shared cores they are noisy.
+the measured-fastest plan is predicted first, and how much slower the predicted-first plan
+measured (``pick_vs_fastest``); even / balanced speed-up measured and predicted. Each plan is one
+``mpirun`` after another (a median of its steps), not alternated with the others: figures measure
+this machine, and on 2 shared cores they are noisy.
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ def main(argv: list[str]) -> None:
     a("--warmup", type=nonneg_int, default=2)
     a("--repeats", type=positive_int, default=5, help="profile timing repeats")
     a("--slow-factor", type=float, default=2.0)
-    a("--slow-rank", type=nonneg_int, default=1)
+    a("--slow-rank", type=nonneg_int, default=1, help=argparse.SUPPRESS)  # the workers': rank 1
     a("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--replicas", "--stages", "--micro-batches"):
         a(name, type=int, default=1, help=argparse.SUPPRESS)

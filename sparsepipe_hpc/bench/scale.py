@@ -162,8 +162,9 @@ def _summary(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
         rows_any: dict[str, Any] = {str(k): v for k, v in rows.items()}
         rows_any["peak_ratio_%d_over_%d" % (hi, lo)] = (rows[hi]["max_peak_rss_mib"]
                                                         / rows[lo]["max_peak_rss_mib"])
+        base = rows[lo]["max_input_rss_mib"]  # a difference of peaks: may be 0, no ratio then
         rows_any["input_rss_ratio_%d_over_%d" % (hi, lo)] = (
-            rows[hi]["max_input_rss_mib"] / max(rows[lo]["max_input_rss_mib"], 1e-9))
+            rows[hi]["max_input_rss_mib"] / base if base > 0 else None)
         rows_any["input_speedup_%d_over_%d" % (lo, hi)] = (rows[lo]["max_input_s"]
                                                            / rows[hi]["max_input_s"])
         rows_any["input_cpu_speedup_%d_over_%d" % (lo, hi)] = (rows[lo]["max_input_cpu_s"]

@@ -8,8 +8,9 @@ thread per rank. Each comparison is a ratio of two figures measured in this run:
 
   overhead      rank 0 alone: distributed U-Net on a 1x1x1 grid (split maps, empty exchanges)
                 over the plain serial U-Net.
-  scaling       the serial U-Net on rank 0 alone over the distributed one on all ranks
-                (grid n x 1 x 1): the strong-scaling speed-up.
+  scaling       the serial U-Net on rank 0 alone (the others asleep, not spinning in a barrier)
+                over the distributed one on all ranks (grid n x 1 x 1), in alternated rounds:
+                the strong-scaling speed-up, the median of the rounds' ratios.
   overlap       time blocked waiting for halo exchanges ("exposed"), with and without overlap,
                 on the real transport and with an injected per-message delay.
   halo volume   halo voxels / owned voxels per box, uniform versus balanced cuts, for several
@@ -20,12 +21,14 @@ thread per rank. Each comparison is a ratio of two figures measured in this run:
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
 from mpi4py import MPI
 
-from sparsepipe_hpc.bench.common import environment, synthetic_room, time_alternating, write_json
+from sparsepipe_hpc.bench.common import (environment, paired_ratios, synthetic_room,
+                                         time_alternating, write_json)
 from sparsepipe_hpc.nn import SparseUNet
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.layout import RankLayout
@@ -82,16 +85,13 @@ def halo_volume(x, dims, mode: str, align: int, radius: int = 1) -> dict:
             "owned_max_over_mean": max(owned) / (sum(owned) / len(owned))}
 
 
-def timed_all(comm, fn, repeats):
-    """Median over repeats of the slowest rank's time (barrier before each run)."""
-    times = []
-    fn()
-    for _ in range(repeats):
-        comm.Barrier()
-        t = time.perf_counter()
-        fn()
-        times.append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
-    return sorted(times)[len(times) // 2]
+def quiet_barrier(comm) -> None:
+    """A barrier whose waiting ranks sleep between polls: MPI's own spins a core, which on a
+    shared node slows the rank that is being timed alone (rank 0's serial step ran 2x slower
+    beside a rank spinning in ``Barrier`` on this project's 2-core machine)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
 
 
 def main(argv: list[str]) -> None:
@@ -126,42 +126,18 @@ def main(argv: list[str]) -> None:
                               "distributed": step_fn(unet(), x, ctx1, align)},
                              torch.device("cpu"), args.repeats)
         serial, dist1 = t["serial"], t["distributed"]
-        result["overhead_1rank"] = {"serial_s": serial["median_s"], "distributed_s": dist1["median_s"],
-                                    "ratio": dist1["median_s"] / serial["median_s"]}
+        result["overhead_1rank"] = {"serial_s": serial["median_s"],
+                                    "distributed_s": dist1["median_s"],
+                                    "ratio": paired_ratios(t, "distributed", "serial")}
         say(f"overhead at 1 rank: serial {serial['median_s']:.2f} s, distributed "
-            f"{dist1['median_s']:.2f} s, ratio {result['overhead_1rank']['ratio']:.3f}")
-    world.Barrier()
+            f"{dist1['median_s']:.2f} s, ratio {result['overhead_1rank']['ratio']['median']:.3f}")
+        ctx1.close()
+    quiet_barrier(world)
 
     # 2. strong scaling and 3. overlap, all ranks on an n x 1 x 1 grid
     if n > 1:
-        for overlap in (True, False):
-            for delay in (0.0, args.delay_ms / 1e3):
-                transport = delayed_halos(delay) if delay else None
-                ctx = ParallelContext(world, RankLayout(1, 1, (n, 1, 1)), overlap=overlap,
-                                      transport=transport)
-                fn = step_fn(unet(), x, ctx, align)
-                fn()
-                ctx.group.exposed_wait_s = 0.0
-                t = timed_all(world, fn, args.repeats)
-                exposed = world.allreduce(ctx.group.exposed_wait_s / (args.repeats), op=MPI.MAX)
-                key = f"{'overlap' if overlap else 'no_overlap'}_delay{delay * 1e3:g}ms"
-                result.setdefault("overlap", {})[key] = {"step_s": t, "exposed_wait_s": exposed}
-                say(f"grid {n}x1x1 {key:24s} step {t:.2f} s, exposed wait {exposed * 1e3:8.1f} ms")
-        ov = result["overlap"]
-        for d in ("0", f"{args.delay_ms:g}"):
-            on, off = ov[f"overlap_delay{d}ms"], ov[f"no_overlap_delay{d}ms"]
-            ov[f"hidden_fraction_delay{d}ms"] = 1 - on["exposed_wait_s"] / max(off["exposed_wait_s"],
-                                                                                1e-12)
-            say(f"overlap hides {100 * ov[f'hidden_fraction_delay{d}ms']:.0f}% of the exposed "
-                f"exchange time (delay {d} ms)")
-        if rank == 0:
-            t1 = result["overhead_1rank"]["serial_s"]
-            tn = ov["overlap_delay0ms"]["step_s"]
-            result["scaling"] = {"serial_1rank_s": t1, f"distributed_{n}ranks_s": tn,
-                                 "speedup": t1 / tn}
-            say(f"strong scaling: 1 rank {t1:.2f} s, {n} ranks {tn:.2f} s, speed-up {t1 / tn:.2f}")
-
-    world.Barrier()
+        result.update(scaling_and_overlap(world, unet, x, align, args, say))
+    quiet_barrier(world)
 
     # 4. halo volume for several grids (geometry only: what each box's plan would receive)
     if rank == 0:
@@ -180,6 +156,82 @@ def main(argv: list[str]) -> None:
 
         say("sparse versus dense U-Net (one thread, forward+backward):")
         result["dense_vs_sparse"] = dense.run(args.dense_sizes, args.width, args.dense_limit)
-    world.Barrier()
+    quiet_barrier(world)
     if rank == 0:
         write_json(args.json, result)
+
+
+def scaling_and_overlap(world, unet, x, align: int, args, say) -> dict:
+    """Sections 2 and 3, in alternated rounds (the order rotating): the serial step on rank 0
+    alone (the other ranks sleeping in :func:`quiet_barrier`) and the n-rank step with and
+    without overlap, with and without the injected delay. Every step time is the slowest rank's;
+    the exposed wait is the slowest rank's own per step; figures are medians over the rounds,
+    the speed-up the median of the rounds' serial / n-rank ratios."""
+    n = world.Get_size()
+    serial = step_fn(unet(), x)
+    contexts, steps = [], {}
+    for overlap in (True, False):
+        for delay in (0.0, args.delay_ms / 1e3):
+            transport = delayed_halos(delay) if delay else None
+            ctx = ParallelContext(world, RankLayout(1, 1, (n, 1, 1)), overlap=overlap,
+                                  transport=transport)
+            contexts.append(ctx)
+            key = f"{'overlap' if overlap else 'no_overlap'}_delay{delay * 1e3:g}ms"
+            steps[key] = (ctx, step_fn(unet(), x, ctx, align))
+    names = ["serial", *steps]
+    times: dict[str, list[float]] = {k: [] for k in names}
+    waits: dict[str, list[float]] = {k: [] for k in steps}
+
+    def run(name: str) -> tuple[float, float]:
+        if name == "serial":
+            t = 0.0
+            if world.Get_rank() == 0:
+                t0 = time.perf_counter()
+                serial()
+                t = time.perf_counter() - t0
+            quiet_barrier(world)
+            return t, 0.0
+        ctx, fn = steps[name]
+        world.Barrier()
+        waited = ctx.group.exposed_wait_s
+        t0 = time.perf_counter()
+        fn()
+        t = time.perf_counter() - t0
+        mine = ctx.group.exposed_wait_s - waited
+        return world.allreduce(t, op=MPI.MAX), world.allreduce(mine, op=MPI.MAX)
+
+    for name in names:  # warm-up
+        run(name)
+    for r in range(args.repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t, waited = run(name)
+            times[name].append(t)
+            if name in waits:
+                waits[name].append(waited)
+    out: dict = {"overlap": {}}
+    ov = out["overlap"]
+    for key in steps:
+        ov[key] = {"step_s": statistics.median(times[key]), "all_s": times[key],
+                   "exposed_wait_s": statistics.median(waits[key])}
+        say(f"grid {n}x1x1 {key:24s} step {ov[key]['step_s']:.2f} s, exposed wait "
+            f"{ov[key]['exposed_wait_s'] * 1e3:8.1f} ms")
+    for d in ("0", f"{args.delay_ms:g}"):
+        on, off = ov[f"overlap_delay{d}ms"], ov[f"no_overlap_delay{d}ms"]
+        hidden = 1 - on["exposed_wait_s"] / off["exposed_wait_s"] \
+            if off["exposed_wait_s"] > 0 else None  # nothing waited: nothing to hide
+        ov[f"hidden_fraction_delay{d}ms"] = hidden
+        say(f"overlap hides {'n/a' if hidden is None else f'{100 * hidden:.0f}%'} of the exposed "
+            f"exchange time (delay {d} ms)")
+    if world.Get_rank() == 0:
+        tn = times["overlap_delay0ms"]
+        ratios = sorted(a / b for a, b in zip(times["serial"], tn))
+        t1 = statistics.median(times["serial"])
+        out["scaling"] = {"serial_1rank_s": t1, f"distributed_{n}ranks_s": statistics.median(tn),
+                          "speedup": statistics.median(ratios), "speedup_min": ratios[0],
+                          "speedup_max": ratios[-1]}
+        say(f"strong scaling: 1 rank {t1:.2f} s, {n} ranks {statistics.median(tn):.2f} s, "
+            f"speed-up {out['scaling']['speedup']:.2f} (paired by round: "
+            f"{ratios[0]:.2f}-{ratios[-1]:.2f})")
+    for ctx in contexts:
+        ctx.close()
+    return out

@@ -17,9 +17,10 @@ attribute ``class_names`` (list of str, as written by :func:`write_modelnet`); a
 beside the files (PointNet's, one name a line); else K = 40 (ModelNet40) with names ``class_<k>``.
 
 Files of a directory are those ``*.h5`` whose name names the split as a word (``train0``,
-``ply_data_train1``; ``latest`` is not ``test``; a name with two splits is refused), in natural order
-(``train2`` before ``train10``); a global index walks the files in that order. Validation works as
-in :mod:`sparsepipe_hpc.data.scenes`: structure always, every value with ``check="full"``.
+``ply_data_train1``; ``latest`` is not ``test``; a name with two splits is refused), in natural
+order (``train2`` before ``train10``); a global index walks the files in that order. Validation
+works as in :mod:`sparsepipe_hpc.data.scenes`: structure always, every value with
+``check="full"``.
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ points inside ``bounds_min``/``bounds_max`` when stored: stale bounds would buil
 points). A scene that breaks a rule raises :class:`DataFormatError` naming the file, the dataset and
 the rule. ``check="structure"`` skips the value scan (for very large files); values are still
 checked when a scene is read. The full check also digests every value it reads
-(``SceneDataset.digest``), so that a resume or a rank refuses other data of the same size. :func:`sparsepipe_hpc.data.splits.check_splits` checks that two
-splits agree (classes, features, voxel size).
+(``SceneDataset.digest``), so that a resume or a rank refuses other data of the same size.
+:func:`sparsepipe_hpc.data.splits.check_splits` checks that two splits agree (classes, features,
+voxel size).
 """
 
 from __future__ import annotations
