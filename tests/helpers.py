@@ -146,3 +146,22 @@ class HostReads:
         self._mode.__exit__(*exc)
         for name, real in self._saved.items():
             setattr(torch.Tensor, name, real)
+
+
+def cuda_unet_step(gen: torch.Generator) -> Any:
+    """A function running one U-Net step on CUDA (width 16, depth 3, up to 4000 voxels per sample
+    in 32^3, float32) from fresh kernel maps, returning its output and every gradient: for
+    comparing two ways of running the same step."""
+    from sparsepipe_hpc.nn import SparseUNet
+
+    x = random_cloud(gen, 4000, shape=(32, 32, 32), channels=3, dtype=torch.float32)
+    xc = x.replace(coords=x.coords.cuda(), feats=x.feats.cuda())
+    torch.manual_seed(0)
+    net = SparseUNet(3, 5, width=16, depth=3).cuda()
+
+    def step() -> list[torch.Tensor]:
+        net.zero_grad()
+        y = net(xc.replace(kmaps={})).feats
+        y.square().mean().backward()
+        return [y.detach().clone()] + [q.grad.clone() for q in net.parameters()]
+    return step

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from halo.kmap import KernelMap, kernel_map, output_coords, strided_map
-from helpers import random_cloud, repo_env
+from helpers import cuda_unet_step, random_cloud, repo_env
 from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.nn import SparseUNet
 
@@ -204,17 +204,7 @@ def test_unet_with_implicit_gemm_strided_layers_equals_the_explicit_path_on_gpu(
     default on CUDA) gives the explicit path's outputs and gradients (float32)."""
     from sparsepipe_hpc.engine import spconv_igemm
 
-    x = random_cloud(gen, 4000, shape=(32, 32, 32), channels=3, dtype=torch.float32)
-    xc = x.replace(coords=x.coords.cuda(), feats=x.feats.cuda())
-    torch.manual_seed(0)
-    net = SparseUNet(3, 5, width=16, depth=3).cuda()
-
-    def step() -> list[torch.Tensor]:
-        net.zero_grad()
-        y = net(xc.replace(kmaps={})).feats
-        y.square().mean().backward()
-        return [y.detach().clone()] + [q.grad.clone() for q in net.parameters()]
-
+    step = cuda_unet_step(gen)
     with spconv_igemm.only_on():
         ref = step()
     calls, forward = [], spconv_igemm.forward

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from halo.kmap import strided_map
-from helpers import random_cloud
+from helpers import cuda_unet_step, random_cloud
 from sparsepipe_hpc import mapstream
 from sparsepipe_hpc.nn import SparseUNet
 
@@ -164,17 +164,7 @@ def test_the_map_waits_for_coordinates_written_after_queued_work(gen, noted):
 def test_unet_step_aside_equals_the_default_on_gpu(gen):
     """A U-Net step (its strided layers and inverses through implicit GEMM) gives the same
     outputs and gradients with its maps built aside."""
-    x = random_cloud(gen, 4000, shape=(32, 32, 32), channels=3, dtype=torch.float32)
-    xc = x.replace(coords=x.coords.cuda(), feats=x.feats.cuda())
-    torch.manual_seed(0)
-    net = SparseUNet(3, 5, width=16, depth=3).cuda()
-
-    def step() -> list[torch.Tensor]:
-        net.zero_grad()
-        y = net(xc.replace(kmaps={})).feats
-        y.square().mean().backward()
-        return [y.detach().clone()] + [q.grad.clone() for q in net.parameters()]
-
+    step = cuda_unet_step(gen)
     ref = step()
     mapstream._streams.clear()
     with mapstream.aside():
