@@ -161,6 +161,7 @@ def test_the_full_check_reads_scenes_in_blocks(scenes_file, monkeypatch):
     blocked = SceneDataset(scenes_file)
     assert all(isinstance(sel, slice) and sel.stop - sel.start <= 16 for sel in reads)
     assert all(np.array_equal(a, b) for a, b in zip(blocked.bounds(), whole.bounds()))
+    assert blocked.digest == whole.digest is not None  # the content's, not the blocks'
     xyz = scene(seed=2)[0]
     xyz[37, 1] = np.nan  # in the third block
     edit(scenes_file, lambda f: replace(f, "scenes/s2/xyz", xyz))
@@ -239,10 +240,12 @@ def test_modelnet_split_is_a_word_of_the_file_name(tmp_path):
     with two splits is refused, where both splits read it and test accuracy would be inflated."""
     from sparsepipe_hpc.data.modelnet import split_files
 
-    for name in ("ply_data_train0.h5", "ply_data_test0.h5", "train_latest.h5", "contest1.h5"):
+    for name in ("ply_data_train0.h5", "ply_data_test0.h5", "train_latest.h5", "contest1.h5",
+                 "training_objects.h5"):
         write_modelnet(tmp_path / name, np.zeros((1, 4, 3)), [0], None)
     assert [p.name for p in split_files(tmp_path, "train")] == ["ply_data_train0.h5",
-                                                                "train_latest.h5"]
+                                                                "train_latest.h5",
+                                                                "training_objects.h5"]
     assert [p.name for p in split_files(tmp_path, "test")] == ["ply_data_test0.h5"]
     write_modelnet(tmp_path / "train_test.h5", np.zeros((1, 4, 3)), [0], None)
     for split in ("train", "test"):
@@ -251,7 +254,8 @@ def test_modelnet_split_is_a_word_of_the_file_name(tmp_path):
 
 
 def test_modelnet_no_files_for_split(tmp_path, modelnet_file):
-    expect(lambda: ModelNetDataset(tmp_path, "test"), tmp_path, "no '*test*.h5' files")
+    expect(lambda: ModelNetDataset(tmp_path, "test"), tmp_path,
+           "no *.h5 file names split 'test' as a word")
 
 
 @pytest.mark.parametrize("check", ["full", "structure"])

@@ -195,17 +195,19 @@ def test_resume_on_data_changed_in_place_is_refused(data, tmp_path, task):
 
 def test_a_resume_refused_for_a_grown_default_batch_says_why(tmp_path):
     """A default batch grows with the replicas (4 -> 6 on 3): resuming a 1-process run on 3 is
-    refused, and the message says the default grew and which replica counts divide the batch."""
+    refused, and the message says the default grew and which replica counts divide the batch;
+    where nothing grew (a checkpoint of a given batch, resumed at the default), no such hint."""
     saved = parse_config([]).to_dict()
     now = dataclasses.replace(parse_config([]), batch_size=6).to_dict()
-    with pytest.raises(ck.CheckpointError, match=r"--batch-size 4 -> 6.*left at its default.*"
-                                                 r"keeps the checkpoint's 4, so it needs a number "
-                                                 r"of replicas that divides it"):
+    with pytest.raises(ck.CheckpointError, match=r"--batch-size 4 -> 6.*left at its default 4, "
+                                                 r"which grew.*pass --batch-size 4 and run a "
+                                                 r"number of replicas that divides it: 1, 2, 4\)"):
         ck.check_compatible({"config": saved}, now, tmp_path / "last.pt")
-    given = parse_config(["--batch-size", "6"]).to_dict()
-    with pytest.raises(ck.CheckpointError) as info:
-        ck.check_compatible({"config": saved}, given, tmp_path / "last.pt")
-    assert "left at its default" not in str(info.value)
+    for saved, now in ((saved, parse_config(["--batch-size", "6"]).to_dict()),
+                       (parse_config(["--batch-size", "8"]).to_dict(), parse_config([]).to_dict())):
+        with pytest.raises(ck.CheckpointError) as info:
+            ck.check_compatible({"config": saved}, now, tmp_path / "last.pt")
+        assert "left at its default" not in str(info.value)
 
 
 def test_atomic_save_leaves_no_partial_file(tmp_path, monkeypatch):

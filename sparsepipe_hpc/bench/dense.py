@@ -8,8 +8,9 @@ architecture with ``torch.nn.Conv3d`` (kernel 3, padding 1), ``ConvTranspose3d``
 ``BatchNorm3d`` on the full dense grid. Each runs one untimed step first (a first call's set-up:
 spconv's, the allocator's), then ``--repeats`` timed ones: ``time_s`` is their median, ``all_s``
 every one. Peak memory (``peak_mb``, MiB) is the process's peak resident set over the timed steps
-minus its resident set before them (None where the kernel's peak mark cannot be reset). A run
-that passes ``--limit`` seconds is reported as out of time (killed).
+minus its resident set before them (None where the kernel's peak mark cannot be reset). A
+process that passes ``--limit`` seconds (set-up, the untimed step and the timed ones together)
+is reported as out of time (killed).
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def measure(kind: str, n: int, width: int, limit: float, repeats: int = 3) -> di
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
-        return {"kind": kind, "n": n, "status": f"out of time (> {limit:.0f} s)"}
+        return {"kind": kind, "n": n,
+                "status": f"out of time (> {limit:.0f} s for set-up and {repeats + 1} steps)"}
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["?"]
         status = "out of memory" if proc.returncode in (-9, 137) else f"failed: {tail[0]}"
@@ -152,11 +154,11 @@ def measure(kind: str, n: int, width: int, limit: float, repeats: int = 3) -> di
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "status": "ok"}
 
 
-def run(sizes: list[int], width: int, limit: float) -> list[dict]:
+def run(sizes: list[int], width: int, limit: float, repeats: int = 3) -> list[dict]:
     rows = []
     for n in sizes:
-        s = measure("sparse", n, width, limit)
-        d = measure("dense", n, width, limit)
+        s = measure("sparse", n, width, limit, repeats)
+        d = measure("dense", n, width, limit, repeats)
         row = {"n": n, "sparse": s, "dense": d}
         if s["status"] == d["status"] == "ok":
             row["time_ratio_dense_over_sparse"] = d["time_s"] / s["time_s"]
@@ -179,10 +181,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--json")
     p.add_argument("--sizes", type=positive_int, nargs="+", default=[64, 96, 128])
     p.add_argument("--width", type=positive_int, default=16)
-    p.add_argument("--limit", type=float, default=300.0, help="seconds before a run is cut off")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps per network")
+    p.add_argument("--limit", type=float, default=300.0,
+                   help="seconds before a network's process (set-up and every step) is cut off")
     args = p.parse_args(argv)
-    rows = run(args.sizes, args.width, args.limit)
-    write_json(args.json, {"env": environment(), "width": args.width, "rows": rows})
+    rows = run(args.sizes, args.width, args.limit, args.repeats)
+    write_json(args.json, {"env": environment(), "width": args.width, "repeats": args.repeats,
+                           "rows": rows})
 
 
 if __name__ == "__main__":

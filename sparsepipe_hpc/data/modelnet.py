@@ -67,9 +67,10 @@ SPLIT_WORDS = ("train", "test", "val")  # a file naming two of these belongs to 
 
 
 def _names(name: str, split: str) -> bool:
-    """Whether a file name names ``split`` as a word: not inside a longer word, digits after it
-    allowed (``ply_data_train0.h5``, ``train_1.h5``; not ``latest.h5`` for test)."""
-    return re.search(rf"(?<![A-Za-z]){re.escape(split)}\d*(?![A-Za-z])", name) is not None
+    """Whether a file name names ``split`` as a word: not inside a longer word but for an "ing"
+    (ScanObjectNN's ``training_*.h5``), digits after it allowed (``ply_data_train0.h5``,
+    ``train_1.h5``; not ``latest.h5`` for test)."""
+    return re.search(rf"(?<![A-Za-z]){re.escape(split)}(ing)?\d*(?![A-Za-z])", name) is not None
 
 
 def split_files(directory: str | Path, split: str) -> list[Path]:
@@ -84,7 +85,8 @@ def split_files(directory: str | Path, split: str) -> list[Path]:
                                   f"'{others[0]}'; each file must belong to one split: rename it")
     if not files:
         have = sorted(p.name for p in d.iterdir())[:10] if d.is_dir() else []
-        raise DataFormatError(f"{d}: no '*{split}*.h5' files for split '{split}' (found {have})")
+        raise DataFormatError(f"{d}: no *.h5 file names split '{split}' as a word (such as "
+                              f"{split}0.h5, ply_data_{split}1.h5, {split}_a.h5; found {have})")
     return files
 
 

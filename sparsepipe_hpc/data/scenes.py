@@ -276,14 +276,17 @@ class SceneDataset:
         self._chunks[name] = read_chunk_table(p, g, int(npts), self._stored_bounds)
         box = None
         if content is not None:  # in blocks: a scene larger than a rank's memory all the same
-            content.update(name.encode())
+            # One hash per field, fed block by block, so the digest does not depend on the block
+            # size; then the name, the point count and the three in one record per scene.
+            fields = [hashlib.blake2b(digest_size=16) for _ in range(3)]
             lo, hi = np.full(3, np.inf), np.full(3, -np.inf)
             for start in range(0, npts, CHECK_BLOCK):
                 rows = None if npts <= CHECK_BLOCK else slice(start, min(npts, start + CHECK_BLOCK))
                 xyz, feats, label = self._read_scene(f, name, rows)
-                for values in (xyz, feats, label):
-                    content.update(np.ascontiguousarray(values))
+                for h, values in zip(fields, (xyz, feats, label)):
+                    h.update(np.ascontiguousarray(values).data)
                 lo, hi = np.minimum(lo, xyz.min(0)), np.maximum(hi, xyz.max(0))
+            content.update(repr((name, int(npts), [h.hexdigest() for h in fields])).encode())
             box = (lo, hi)
         return int(npts), box
 

@@ -271,11 +271,17 @@ def check_compatible(ckpt: dict[str, Any], config: dict[str, Any], path: Path) -
             for k in MUST_MATCH if k in saved and saved.get(k) != config.get(k)]
     if diff:
         hint = ""
-        if "batch_size" in config.get("defaulted", ()) and saved.get("batch_size") != \
-                config.get("batch_size"):
-            hint = (f" (--batch-size was left at its default, which grows to a multiple of the "
-                    f"replicas: a resume keeps the checkpoint's {saved.get('batch_size')}, so it "
-                    f"needs a number of replicas that divides it)")
+        from sparsepipe_hpc.train.config import TASK_DEFAULTS
+
+        default = TASK_DEFAULTS.get(config.get("task", ""), {}).get("batch_size")
+        was = saved.get("batch_size")
+        if "batch_size" in config.get("defaulted", ()) and config.get("batch_size") != default \
+                and isinstance(was, int) and was != config.get("batch_size"):
+            counts = [k for k in range(1, was + 1) if was % k == 0]
+            shown = ", ".join(map(str, counts[:8])) + (", ..." if len(counts) > 8 else "")
+            hint = (f" (--batch-size was left at its default {default}, which grew to a multiple "
+                    f"of this run's replicas: pass --batch-size {was} and run a number of "
+                    f"replicas that divides it: {shown})")
         raise CheckpointError(f"--resume {path}: the checkpoint was written with other options "
                               f"({'; '.join(diff)}); pass the checkpoint's values to continue "
                               f"it{hint}")
