@@ -9,7 +9,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -17,8 +17,10 @@ import torch
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.voxelize import voxelize
 
-__all__ = ["synthetic_room", "sync", "time_alternating", "time_step", "paired_ratios", "write_json",
-           "environment"]
+__all__ = ["synthetic_room", "sync", "time_alternating", "time_step", "paired_ratios", "rotated",
+           "write_json", "environment"]
+
+T = TypeVar("T")
 
 
 def synthetic_room(voxel_size: float = 0.03, size=(6.0, 6.0, 3.0), points: int = 1_000_000,
@@ -85,9 +87,8 @@ def time_alternating(fns: Mapping[str, Callable[[], Any]], device: torch.device,
     times: dict[str, list[float]] = {name: [] for name in fns}
     peaks: dict[str, Optional[int]] = {name: None for name in fns}
     added: dict[str, Optional[int]] = {name: None for name in fns}
-    names = list(fns)
-    for r in range(repeats if names else 0):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    for r in range(repeats if fns else 0):
+        for name in rotated(list(fns), r):
             fn = fns[name]
             if before is not None:
                 before()
@@ -99,6 +100,13 @@ def time_alternating(fns: Mapping[str, Callable[[], Any]], device: torch.device,
     return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "all_s": ts,
                    "repeats": repeats, "peak_bytes": peaks[name],
                    "peak_over_start_bytes": added[name]} for name, ts in times.items()}
+
+
+def rotated(items: list[T], r: int) -> list[T]:
+    """``items`` starting at ``r`` (mod their count): round ``r``'s order, so that no variant
+    always runs first, or after the same one. ``items`` not empty."""
+    k = r % len(items)
+    return items[k:] + items[:k]
 
 
 def paired_ratios(times: dict[str, dict[str, Any]], name: str, base: str) -> dict[str, float]:

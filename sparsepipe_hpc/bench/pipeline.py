@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from sparsepipe_hpc.bench._activations import SavedTensorMeter
-from sparsepipe_hpc.bench.common import environment, write_json
+from sparsepipe_hpc.bench.common import environment, rotated, write_json
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.tracing import Recorder, Span, recording
 from sparsepipe_hpc.bench._args import positive_int
@@ -292,8 +292,7 @@ def main(argv: list[str]) -> None:
             + f" -> balance {balance[0]},{balance[1]}")
     variants = _build(args, x, balance)
     for r in range(args.repeats + 1):  # repeat 0 warms up (first kernel maps, allocator)
-        k = r % len(variants)
-        for v in variants[k:] + variants[:k]:
+        for v in rotated(variants, r):
             world.Barrier()
             rec = Recorder.start(world)
             v.meter.reset_peak()

@@ -27,7 +27,7 @@ import time
 import torch
 from mpi4py import MPI
 
-from sparsepipe_hpc.bench.common import (environment, paired_ratios, synthetic_room,
+from sparsepipe_hpc.bench.common import (environment, paired_ratios, rotated, synthetic_room,
                                          time_alternating, write_json)
 from sparsepipe_hpc.nn import SparseUNet
 from sparsepipe_hpc.parallel.context import ParallelContext
@@ -203,7 +203,7 @@ def scaling_and_overlap(world, unet, x, align: int, args, say) -> dict:
     for name in names:  # warm-up
         run(name)
     for r in range(args.repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             t, waited = run(name)
             times[name].append(t)
             if name in waits:
@@ -223,15 +223,14 @@ def scaling_and_overlap(world, unet, x, align: int, args, say) -> dict:
         say(f"overlap hides {'n/a' if hidden is None else f'{100 * hidden:.0f}%'} of the exposed "
             f"exchange time (delay {d} ms)")
     if world.Get_rank() == 0:
-        tn = times["overlap_delay0ms"]
-        ratios = sorted(a / b for a, b in zip(times["serial"], tn))
-        t1 = statistics.median(times["serial"])
-        out["scaling"] = {"serial_1rank_s": t1, f"distributed_{n}ranks_s": statistics.median(tn),
-                          "speedup": statistics.median(ratios), "speedup_min": ratios[0],
-                          "speedup_max": ratios[-1]}
-        say(f"strong scaling: 1 rank {t1:.2f} s, {n} ranks {statistics.median(tn):.2f} s, "
-            f"speed-up {out['scaling']['speedup']:.2f} (paired by round: "
-            f"{ratios[0]:.2f}-{ratios[-1]:.2f})")
+        t1, tn = statistics.median(times["serial"]), statistics.median(times["overlap_delay0ms"])
+        up = paired_ratios({k: {"all_s": v} for k, v in times.items()}, "serial",
+                           "overlap_delay0ms")
+        out["scaling"] = {"serial_1rank_s": t1, f"distributed_{n}ranks_s": tn,
+                          "speedup": up["median"], "speedup_min": up["min"],
+                          "speedup_max": up["max"]}
+        say(f"strong scaling: 1 rank {t1:.2f} s, {n} ranks {tn:.2f} s, speed-up "
+            f"{up['median']:.2f} (paired by round: {up['min']:.2f}-{up['max']:.2f})")
     for ctx in contexts:
         ctx.close()
     return out
