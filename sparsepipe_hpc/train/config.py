@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grid", type=_grid, metavar="X,Y,Z", help="spatial ranks per replica "
                    "(default 1,1,1)")
     g.add_argument("--replicas", type=_positive_int, metavar="R", help="data-parallel replicas "
-                   "(default: world size / grid product)")
+                   "(default: world size / (stages x grid product))")
     g.add_argument("--stages", type=_positive_int, metavar="S", help="pipeline stages: the "
                    "model's blocks cut into S groups of ranks (default 1: no pipeline)")
     g.add_argument("--balance", metavar="N,N,...", help="blocks per pipeline stage, one count "
