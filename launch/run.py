@@ -164,12 +164,16 @@ def abort_on_exception(comm: MPI.Comm | None = None) -> None:
     def hook(exc_type: type[BaseException], exc: BaseException,
              tb: TracebackType | None) -> None:
         rank, size = _rank_and_size(comm)
-        _say(rank, "".join(traceback.format_exception(exc_type, exc, _trim(tb))))
         mpi = _live_mpi()
-        if mpi is not None and size > 1:
-            _say(rank, f"aborting all {size} ranks (MPI_Abort) after an uncaught "
-                       f"{exc_type.__name__}")
-            (comm if comm is not None else mpi.COMM_WORLD).Abort(1)
+        abort = mpi is not None and size > 1
+        try:  # the abort must happen even where stderr cannot be written (full, closed)
+            _say(rank, "".join(traceback.format_exception(exc_type, exc, _trim(tb))))
+            if abort:
+                _say(rank, f"aborting all {size} ranks (MPI_Abort) after an uncaught "
+                           f"{exc_type.__name__}")
+        finally:
+            if abort:
+                (comm if comm is not None else mpi.COMM_WORLD).Abort(1)
 
     sys.excepthook = hook
 
@@ -291,8 +295,9 @@ def exit_timeout(text: str | None = None) -> float | None:
     return seconds or None
 
 
-def _wait_for_all_at_exit(timeout: float | None) -> None:
-    """This rank finished: wait until every rank has, or abort the job after ``timeout`` s."""
+def _wait_for_all_at_exit(timeout: float | None, why: str = "it returned early") -> None:
+    """This rank finished: wait until every rank has, or abort the job after ``timeout`` s.
+    ``why``: how this rank may have left the others behind, for the abort's message."""
     global _exit_comm
     comm, _exit_comm = _exit_comm, None
     mpi = _live_mpi()
@@ -307,7 +312,7 @@ def _wait_for_all_at_exit(timeout: float | None) -> None:
         if timeout is not None and waited > timeout:
             _say(rank, f"finished {timeout:g} s ago, but not all {size} ranks have: the others "
                        f"are presumably waiting for rank {rank} in a collective or a receive it "
-                       f"skipped (it returned early); aborting all {size} ranks. A rank that "
+                       f"skipped ({why}); aborting all {size} ranks. A rank that "
                        "legitimately works on alone needs a longer --exit-timeout (or "
                        f"{EXIT_TIMEOUT_VARIABLE})")
             mpi.COMM_WORLD.Abort(1)
@@ -449,7 +454,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         _run_target(args)
     except Terminated:
-        raise  # every rank got the signal: finalize normally
+        # A scheduler signals every rank, and each finishes its callback before any leaves (an
+        # abort would cut another rank's checkpoint short); a signal one rank got alone would
+        # leave the others waiting for it, so they are waited for, then aborted.
+        _wait_for_all_at_exit(timeout, "it stopped on a signal they may not have had")
+        raise
     except SystemExit as exc:
         if _abort_on_exit_status(exc):
             raise SystemExit(exc.code if isinstance(exc.code, int) else 1) from None  # said it

@@ -259,6 +259,40 @@ def test_hook_aborts_a_live_multi_rank_world(monkeypatch, capsys):
     assert "[rank 2] OSError: disk" in capsys.readouterr().err
 
 
+def test_hook_aborts_where_stderr_cannot_be_written(monkeypatch):
+    """A full disk under a per-rank ``2> file``: the traceback cannot be written, the abort must
+    still happen (it came after the write, which raised: the job hung)."""
+    calls = []
+
+    class FakeComm:
+        def Get_rank(self):
+            return 1
+
+        def Get_size(self):
+            return 2
+
+        def Abort(self, code):
+            calls.append(code)
+
+    class FakeMPI:
+        COMM_WORLD = FakeComm()
+
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(launch_run, "_live_mpi", lambda: FakeMPI)
+    monkeypatch.setattr(sys, "stderr", Full())
+    abort_on_exception()
+    with pytest.raises(OSError, match="No space"):
+        sys.excepthook(RuntimeError, RuntimeError("rank 1 failed"), None)
+    assert calls == [1]
+
+
 # --------------------------------------------------------------------------------------------------
 # SIGTERM
 
@@ -317,6 +351,32 @@ def test_sigterm_to_mpirun_checkpoints_every_rank(tmp_path):
     assert code != 0
     for rank in range(2):
         assert (tmp_path / f"ckpt.{rank}").read_text() == f"checkpoint of rank {rank}\n", err
+
+
+def test_sigterm_to_one_rank_with_a_callback_ends_the_job(tmp_path):
+    """The signal reaches rank 1 alone (a node agent, ``kill``): it runs its callback and leaves
+    with 143; rank 0 waits in a collective for it, so the job is aborted after the exit timeout
+    (it hung: a Terminated rank was assumed to have company)."""
+    script = _script(tmp_path, "term_one.py", """\
+        import os, signal, time
+        from mpi4py import MPI
+        from launch.run import install_sigterm_handler
+        comm = MPI.COMM_WORLD
+        install_sigterm_handler(lambda: print(f"checkpoint {comm.rank}", flush=True))
+        for step in range(10_000):
+            if comm.rank == 1 and step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            comm.allreduce(step)
+            time.sleep(0.01)
+        print("finished", comm.rank, flush=True)
+        """)
+    cmd = mpirun_command(2) + _launch("--exit-timeout", "2", str(script))
+    proc = run_bounded(cmd, HANG_S, env=_env(), cwd=tmp_path)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "checkpoint 1" in proc.stdout and "finished" not in proc.stdout
+    assert ("[rank 1] finished 2 s ago, but not all 2 ranks have: the others are presumably "
+            "waiting for rank 1 in a collective or a receive it skipped (it stopped on a signal "
+            "they may not have had)") in proc.stderr
 
 
 @pytest.fixture

@@ -70,6 +70,24 @@ def test_config_file_failing_on_one_rank_stops_every_rank(rooms, tmp_path):
     assert "bad.toml: not valid TOML" in proc.stderr and "(rank 1 of 2)" in proc.stderr
 
 
+def test_help_on_one_rank_stops_every_rank(rooms, tmp_path):
+    """argparse's --help exits (SystemExit) inside the agreed parse: alone, rank 1 left the
+    others waiting for it for ever."""
+    data = str(rooms / "a" / "scenes")
+    proc = mpmd([trainer_args(data, tmp_path / "out"), trainer_args(data, tmp_path / "out",
+                                                                    "--help")],
+                [tmp_path, tmp_path])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "rank 1 of 2 would leave (SystemExit: exit status 0: --help" in proc.stderr
+    assert not (tmp_path / "out" / "last.pt").exists()
+
+
+def test_help_on_every_rank_prints_it_and_exits_0(rooms, tmp_path):
+    proc = mpmd([trainer_args("scenes", tmp_path / "out", "--help")] * 2, [tmp_path, tmp_path])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("usage: ") == 2 and "error" not in proc.stderr
+
+
 def test_different_data_under_the_same_path_stops_every_rank(rooms, tmp_path):
     """`--data scenes` read from two working directories: 4 training scenes on rank 0, 6 on rank 1."""
     proc = mpmd([trainer_args("scenes", tmp_path / "out")] * 2, [rooms / "a", rooms / "b"])

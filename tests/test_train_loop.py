@@ -160,6 +160,44 @@ def test_resume_explicit_path_and_mismatch(data, tmp_path):
     assert res["step"] == 1
 
 
+def test_an_out_rank_0_cannot_look_into_is_a_setup_error(data, tmp_path):
+    """--resume auto looks for <out>/last.pt on rank 0 alone; an error there other than 'no
+    such file' (a name too long here; permissions or a stale handle elsewhere) was a traceback
+    on rank 0 while the others waited in their broadcast."""
+    with pytest.raises(SetupError, match="File name too long"):
+        Trainer(tiny(data, tmp_path / ("x" * 300), "--resume", "auto"), MPI.COMM_SELF, log=None)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_nan_loss_stops_the_run_before_a_checkpoint_keeps_it(data, tmp_path, monkeypatch,
+                                                               precision):
+    """A NaN loss from step 2 on stops fp32 at step 2, with <out>/last.pt kept at step 1 (the
+    run finished with exit 0 and NaN weights in its checkpoint); fp16, whose loss scaler skips
+    such steps, stops after MAX_SKIPPED_STEPS of them in a row."""
+    import sparsepipe_hpc.train.loop as loop
+
+    trainer = Trainer(tiny(data, tmp_path / "o", "--steps", "30", "--checkpoint-every", "1"),
+                      MPI.COMM_SELF, log=None)
+    real = trainer.train_step
+    monkeypatch.setattr(trainer, "train_step", lambda indices, epoch: real(indices, epoch)
+                        if trainer.step == 0 else (float("nan"), 1))
+    if precision == "fp16":  # (no fp16 on the CPU: the scaler's skip is taken as given)
+        monkeypatch.setattr(trainer.precision, "scaler", object())  # only its presence is read
+        monkeypatch.setattr(trainer, "train_step", lambda indices, epoch: (float("nan"), 1))
+        monkeypatch.setattr(trainer, "save_checkpoint", lambda: None)
+        with pytest.raises(loop.DivergedError, match="for 10 steps in a row under --precision "
+                                                     "fp16.*the weights are finite"):
+            trainer.run()
+        assert trainer.step == loop.MAX_SKIPPED_STEPS
+        return
+    with pytest.raises(loop.DivergedError, match=r"step 2: the training loss is nan \(--precision "
+                                                 r"fp32\).*are not saved \(.*last.pt keeps"):
+        trainer.run()
+    saved = torch.load(tmp_path / "o" / "last.pt", weights_only=False)
+    assert saved["step"] == 1
+    assert all(torch.isfinite(v).all() for v in saved["model"].values() if v.is_floating_point())
+
+
 def test_resume_on_other_training_data_is_refused(data, tmp_path):
     """A resume continues the same run: the checkpoint records its training data (sample count,
     files and sizes, points per sample) and another data set of the same classes is refused by

@@ -27,7 +27,7 @@ class Outcome:
     in rank order; ``size``: ranks in the communicator."""
 
     value: Any
-    caught: Optional[Exception]
+    caught: Optional[BaseException]
     failures: list[tuple[int, str, str]]
     size: int
 
@@ -35,17 +35,20 @@ class Outcome:
 def run_on_all(comm: Any, fn: Callable[[], Any]) -> Outcome:
     """Run ``fn`` on every rank of ``comm`` and allgather which ranks raised. **Collective.**
 
-    The message of a ValueError is its text; of any other exception ``"Class: text"``.
+    The message of a ValueError is its text; of any other exception ``"Class: text"``. A
+    ``SystemExit`` (argparse's ``--help``, a ``sys.exit``) counts as a failure too: a rank that
+    left alone would leave the others waiting (its message: ``"SystemExit: exit status 0"``).
     """
     value = None
-    caught: Optional[Exception] = None
+    caught: Optional[BaseException] = None
     mine: Optional[tuple[str, str]] = None
     try:
         value = fn()
-    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - every failure must reach the others
         caught = e
-        mine = (type(e).__name__, str(e) if isinstance(e, ValueError)
-                else f"{type(e).__name__}: {e}")
+        text = f"exit status {e.code}" if isinstance(e, SystemExit) else str(e)
+        mine = (type(e).__name__, text if isinstance(e, ValueError)
+                else f"{type(e).__name__}: {text}")
     gathered = comm.allgather(mine)
     failures = [(r, m[0], m[1]) for r, m in enumerate(gathered) if m is not None]
     return Outcome(value, caught, failures, len(gathered))

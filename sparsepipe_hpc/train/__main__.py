@@ -7,7 +7,7 @@
     mpirun -n 4 python -m sparsepipe_hpc.train --plan auto        # the planner picks the layout
 
 Exit status: 0 after training or after a checkpoint asked for by SIGTERM or SIGUSR1, 2 for bad
-input (the message is printed once, by rank 0; every rank exits), 1 with an MPI abort of all ranks
+input or a loss that turned NaN (the message is printed once, by rank 0; every rank exits), 1 with an MPI abort of all ranks
 for any other exception on any rank. Ranks agree before training starts: on whether the options
 parsed, on the resolved options themselves and on a fingerprint of the data (a rank with another
 config file, --lr or data copy is an error naming the values, not a hang or a silently different
@@ -48,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                               parse_config, resolve_layout)
     from sparsepipe_hpc.train.device import compute_threads
     from sparsepipe_hpc.train.agreement import SetupError, agree, check_same
-    from sparsepipe_hpc.train.loop import Trainer
+    from sparsepipe_hpc.train.loop import DivergedError, Trainer
     from sparsepipe_hpc.train.output import OutputError
 
     comm = MPI.COMM_WORLD
@@ -88,9 +88,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         trainer.run()
         trainer.close()
-    except (SetupError, OutputError) as e:
+    except (SetupError, OutputError, DivergedError) as e:
         # Raised on every rank together (a full or read-only disk at a checkpoint or metrics
-        # write is agreed before anyone goes on); any other exception aborts the job.
+        # write is agreed before anyone goes on; the loss is summed over the ranks); any other
+        # exception aborts the job.
         if comm.Get_rank() == 0:
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from e

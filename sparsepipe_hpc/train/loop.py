@@ -34,6 +34,7 @@ directory; a write that fails later reaches every rank too: checkpoints through 
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import sys
 import time
@@ -72,7 +73,17 @@ from sparsepipe_hpc.train.output import OutputError
 from sparsepipe_hpc.train.step import pipeline_logits, pipeline_step, plain_step
 from sparsepipe_hpc.tracing import Recorder, recording
 
-__all__ = ["Trainer", "SetupError", "LrSchedule"]
+__all__ = ["Trainer", "SetupError", "DivergedError", "LrSchedule", "MAX_SKIPPED_STEPS"]
+
+#: fp16: consecutive steps with a non-finite loss (each skipped by the loss scaler) before the
+#: run stops. A scale that halves each time cures overflowing gradients within a few steps; a
+#: loss that stays NaN or inf comes from the forward pass, which no loss scale reaches.
+MAX_SKIPPED_STEPS = 10
+
+
+class DivergedError(FloatingPointError):
+    """The training loss is NaN or inf: raised on every rank together (the loss is summed over
+    them) before the weights it updated are checkpointed."""
 
 
 def _check_balance(cfg: TrainConfig, blocks: int) -> None:
@@ -214,11 +225,14 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self._on_disk: Optional[ckpt_io.FileDigest] = None  # the checkpoint at <out>/last.pt
+        self._non_finite = 0  # steps in a row whose loss was NaN or inf (fp16: skipped steps)
 
         out = cfg.out or f"runs/{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.out = Path(comm.bcast(out, root=0))  # one timestamp for all ranks
-        # Rank 0 decides whether <out>/last.pt exists, so every rank takes the same branch.
-        resume = comm.bcast(ckpt_io.resolve_resume(cfg.resume, self.out) if self.is_root else None)
+        # Rank 0 decides whether <out>/last.pt exists, so every rank takes the same branch; a
+        # directory it cannot look into (permissions, a stale handle) stops every rank.
+        resume = comm.bcast(agree(comm, lambda: ckpt_io.resolve_resume(cfg.resume, self.out)
+                                  if self.is_root else None))
         self.resumed_from = resume
         if resume is not None:
             agree(comm, lambda: self._load(resume))
@@ -455,7 +469,7 @@ class Trainer:
                 self._say(f"checkpoint is already at step {self.step} of {self.total_steps}: "
                           "nothing to train")
             last_eval = self.evaluate()
-            if self.metrics.last_step("eval") != self.step:  # (a finished run resumed: logged)
+            if self._last_logged("eval") != self.step:  # (a finished run resumed: logged)
                 self.metrics.write(last_eval)
         agree(self.comm, self.metrics.close)  # the last records reach the disk, or every rank hears
         if recorder is not None:
@@ -496,6 +510,7 @@ class Trainer:
                               "voxels": int(stats[1]), "voxels_per_s": float(stats[1]) / (t1 - t0)}
                 t0 = t1
                 self.metrics.write(last_train)
+                self._check_finite(last_train["loss"])
                 bar.update(1)
                 bar.set_postfix(loss=f"{last_train['loss']:.3f}",
                                 vox_s=f"{last_train['voxels_per_s']:.0f}", refresh=False)
@@ -512,6 +527,29 @@ class Trainer:
                     break
         return last_train, last_eval, stopped
 
+    def _check_finite(self, loss: float) -> None:
+        """Raise DivergedError (on every rank: ``loss`` is their sum) for a NaN or inf loss,
+        before a checkpoint could keep the weights it made non-finite. Under fp16 the loss
+        scaler skipped that step's update, so only :data:`MAX_SKIPPED_STEPS` in a row stop."""
+        if math.isfinite(loss):
+            self._non_finite = 0
+            return
+        self._non_finite += 1
+        kept = (f"{self.out / ckpt_io.LAST} keeps the last checkpoint written before it"
+                if self._on_disk is not None else "no checkpoint was written")
+        if self.precision.scaler is None:
+            raise DivergedError(
+                f"step {self.step}: the training loss is {loss} (--precision "
+                f"{self.cfg.precision}), so the weights this step updated are not finite; they "
+                f"are not saved ({kept}). Lower --lr (now {self.cfg.lr}), lengthen --warmup, or "
+                "look for NaN or inf in the data's features")
+        if self._non_finite >= MAX_SKIPPED_STEPS:
+            raise DivergedError(
+                f"step {self.step}: the training loss was NaN or inf for {self._non_finite} steps "
+                f"in a row under --precision fp16 (the loss scaler skipped each update: the "
+                f"weights are finite, {kept}); the forward pass itself overflows float16: try "
+                f"--precision bf16 or fp32, a lower --lr, or look for NaN or inf in the data")
+
     def _log_eval(self, bar: Any) -> dict[str, Any]:
         """An evaluation on the schedule: run, logged, said. **Collective.**"""
         record = self.evaluate()
@@ -526,8 +564,12 @@ class Trainer:
         every = self.cfg.eval_every
         due = (self.resumed_from is not None and every and self.step % every == 0
                and 0 < self.step < self.total_steps)
-        return bool(self.comm.bcast(due and self.metrics.last_step("eval") != self.step
-                                    if self.is_root else None, root=0))
+        return bool(due and self._last_logged("eval") != self.step)
+
+    def _last_logged(self, kind: str) -> Optional[int]:
+        """The last step with a ``kind`` record in rank 0's log, on every rank; a log it cannot
+        read stops every rank. **Collective.**"""
+        return self.comm.bcast(agree(self.comm, lambda: self.metrics.last_step(kind)), root=0)
 
     def close(self) -> None:
         """Free the run's communicators, transports and reducers and close the data files.
