@@ -157,18 +157,27 @@ def read_distributed(ctx: Any, dataset: Any, indices: Sequence[int], voxel_size:
     (e.g. ``ShardedBatches.sample_generators``); None: no augmentation. ``align`` and ``cuts``
     as in :meth:`ParallelContext.distribute`; the cut mode is the context's.
     """
-    if len(indices) == 0:
-        raise ValueError("read_distributed: got no samples; a batch needs at least one")
-    if generators is not None and len(generators) != len(indices):
-        raise ValueError(f"read_distributed: got {len(generators)} generators for "
-                         f"{len(indices)} samples; pass one per sample")
     spatial = ctx.group is not None
     grid = ctx.input_grid()  # one rank without a group: a 1x1x1 grid (raises after close)
     rank, size = grid.rank, grid.size
     name = f"samples {list(indices)} of {getattr(dataset, 'path', dataset)}"
-    augs = [None if generators is None else RangeAugmenter(
-        int(dataset.sizes[i]), origin, spatial_shape, voxel_size, generators[b], jitter)
-        for b, i in enumerate(indices)]
+
+    def augmenters() -> list[Optional[RangeAugmenter]]:
+        if len(indices) == 0:
+            raise ValueError("read_distributed: got no samples; a batch needs at least one")
+        if generators is not None and len(generators) != len(indices):
+            raise ValueError(f"read_distributed: got {len(generators)} generators for "
+                             f"{len(indices)} samples; pass one per sample")
+        bad = [int(i) for i in indices if not 0 <= int(i) < len(dataset.sizes)]
+        if bad:
+            raise ValueError(f"read_distributed: sample(s) {bad} of {name} are out of range: "
+                             f"it has {len(dataset.sizes)}")
+        return [None if generators is None else RangeAugmenter(
+            int(dataset.sizes[i]), origin, spatial_shape, voxel_size, generators[b], jitter)
+            for b, i in enumerate(indices)]
+
+    # Checked on every rank together: one rank raising alone would leave the others waiting.
+    augs = agree(grid.comm, augmenters)
     # Each rank reads its share of every sample: pieces of different samples, or of the same
     # one augmented differently, would merge into one sample without an error.
     check_same(grid.comm, {"samples": tuple(int(i) for i in indices),

@@ -48,7 +48,7 @@ import torch
 
 from halo.cuts import Cuts, balanced_cuts, uniform_cuts
 from halo.grid import ProcessGrid
-from halo.kmap import coord_keys, decode_keys, key_batch
+from halo.kmap import MAX_BATCH, MAX_EXTENT, coord_keys, decode_keys, key_batch
 from halo.ownership import owner_ranks
 from sparsepipe_hpc.parallel.failures import run_on_all
 from sparsepipe_hpc.parallel.rows import send_list, send_rows
@@ -153,6 +153,12 @@ def quantize(batch: torch.Tensor, points: torch.Tensor, feats: torch.Tensor,
                             f"first: point {int(index[i])} of sample {int(batch[i])}")
     if not torch.isfinite(feats).all():
         raise VoxelizeError(f"features of {name} contain NaN or inf")
+    if not 0 < batch_size <= MAX_BATCH:  # coord_keys holds no more (more wrapped into others)
+        raise VoxelizeError(f"batch_size must lie in [1, {MAX_BATCH}] (the voxel keys' sample "
+                            f"field); got {batch_size}: split the batch")
+    if max(spatial_shape) > MAX_EXTENT:
+        raise VoxelizeError(f"spatial_shape {tuple(spatial_shape)} exceeds {MAX_EXTENT} voxels "
+                            "per axis (the voxel keys' range): use a larger voxel_size")
     if p and (int(batch.min()) < 0 or int(batch.max()) >= batch_size):
         raise VoxelizeError(f"batch of {name} must lie in [0, {batch_size}); got "
                             f"[{int(batch.min())}, {int(batch.max())}]")

@@ -203,6 +203,23 @@ def test_off_grid_or_disagreeing_ranks_raise_everywhere(comm, rng):
                                  t(f[mine][:, :c]), t(mine), VOXEL, ORIGIN, SHAPE)
 
 
+def test_batches_the_voxel_keys_cannot_hold_are_refused_everywhere(comm, rng):
+    """Keys hold 9 bits of sample index: batch 512 wrapped onto sample -512 and 1024 onto 0,
+    merging samples silently; anything over MAX_BATCH (256) is refused, as SparseTensor does."""
+    from halo.kmap import MAX_BATCH, MAX_EXTENT
+
+    grid = halo.ProcessGrid(comm)
+    n = 1100 if comm.rank == 0 else 0
+    t = torch.from_numpy
+    p = np.tile(np.array(ORIGIN) + VOXEL / 2, (n, 1))
+    with pytest.raises(VoxelizeError, match=f"batch_size must lie in \\[1, {MAX_BATCH}\\]"):
+        distributed_voxelize(grid, torch.arange(n), t(p), torch.ones(n, 1), torch.arange(n),
+                             VOXEL, ORIGIN, SHAPE, batch_size=1100)
+    with pytest.raises(VoxelizeError, match=f"exceeds {MAX_EXTENT} voxels per axis"):
+        distributed_voxelize(grid, torch.zeros(n, dtype=torch.long), t(p), torch.ones(n, 1),
+                             torch.arange(n), VOXEL, ORIGIN, (MAX_EXTENT + 1, 4, 4))
+
+
 # --- the entry point: a file, sample indices, this rank's hyperslab ------------------------------
 
 def scene_file(comm, tmp_path_factory, scenes, name="scenes.h5"):
@@ -259,6 +276,28 @@ def test_ranks_reading_other_samples_or_draws_raise_everywhere(comm, scenes):
     gens = batches.sample_generators([0], 1 + (comm.rank == 0))  # rank 0 draws another epoch's
     with pytest.raises(VoxelizeError, match="disagree on augmentation"):
         read_distributed(ctx, scenes, [0], 0.1, origin, shape, generators=gens)
+    read_distributed(ctx, scenes, [0], 0.1, origin, shape)  # still in step afterwards
+
+
+@pytest.mark.parametrize("bad", ["no samples", "generators", "index"])
+def test_arguments_bad_on_one_rank_raise_everywhere(comm, scenes, bad):
+    """Checked before the first collective, on the rank that got them alone: the others waited
+    for it for ever."""
+    from sparsepipe_hpc.data.loader import grid_for
+    from sparsepipe_hpc.parallel.input import read_distributed
+
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    ctx = layout_ctx(comm, (comm.size, 1, 1), "balanced")
+    origin, shape = grid_for(scenes, 0.1, multiple=4)
+    idx, gens = [0], [torch.Generator()]
+    if comm.rank == 1:
+        idx, gens = {"no samples": ([], []), "generators": ([0], gens * 2),
+                     "index": ([7], gens)}[bad]
+    message = {"no samples": "got no samples", "generators": "2 generators for 1 samples",
+               "index": r"sample\(s\) \[7\] of .* are out of range: it has 3"}[bad]
+    with pytest.raises(ValueError, match=message):
+        read_distributed(ctx, scenes, idx, 0.1, origin, shape, generators=gens)
     read_distributed(ctx, scenes, [0], 0.1, origin, shape)  # still in step afterwards
 
 
