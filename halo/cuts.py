@@ -385,19 +385,41 @@ def balanced_cuts(comm: "MPI.Intracomm", xyz: ArrayLike, extent: Sequence[int],
     :func:`cuts_from_histograms`; a few KiB to all-reduce) or ``"minmax"`` (a binned 3-D
     histogram of up to 2 MiB, :func:`halo.balance.minmax_cuts`: balances the fullest box of 2-D and
     3-D grids much better, see the module docstring). weights: per-axis box weights for
-    unequal devices (quantile only; see the module); checked on every rank before the
-    all-reduce, so a bad one raises CutError everywhere.
+    unequal devices (quantile only; see the module). The settings (extent, dims, align,
+    min_width, method, weights) are checked, and compared between the ranks, on every rank
+    before the all-reduce, so a bad or differing one raises CutError everywhere.
     """
     from mpi4py import MPI
 
     from halo import balance
+    from halo.agree import agree
 
-    if method not in ("quantile", "minmax"):
-        raise CutError(f"balanced_cuts: method is {method!r}; use 'quantile' or 'minmax'")
-    e, d = _check_extent_dims(extent, dims, align)
-    w = _check_weights(weights, d)
-    if method != "quantile" and any(v is not None for v in w):
-        raise CutError(f"balanced_cuts: weights need method='quantile'; got method {method!r}")
+    def settings() -> tuple[tuple[int, int, int], tuple[int, int, int], list]:
+        if method not in ("quantile", "minmax"):
+            raise CutError(f"balanced_cuts: method is {method!r}; use 'quantile' or 'minmax'")
+        e, d = _check_extent_dims(extent, dims, align)
+        w = _check_weights(weights, d)
+        if method != "quantile" and any(v is not None for v in w):
+            raise CutError(f"balanced_cuts: weights need method='quantile'; got method "
+                           f"{method!r}")
+        return e, d, w
+
+    mine: Optional[CutError] = None
+    try:
+        e, d, w = settings()
+    except CutError as exc:
+        mine = exc
+    setting = (f"extent {tuple(extent)}, dims {tuple(dims)}, align {align}, min_width "
+               f"{min_width}, method {method!r}, weights {weights}")
+    any_problem, same = agree(comm, mine is not None, setting)
+    if mine is not None:
+        raise mine
+    if any_problem:
+        raise CutError("balanced_cuts: another rank passed bad settings; see its error")
+    if not same:
+        raise CutError(f"balanced_cuts: ranks passed different settings; here {setting}; every "
+                       "rank must pass the same (the extent of the whole grid, not of its own "
+                       "voxels)")
     if method == "quantile":
         sizes = [_ceil_div(v, align) for v in e]
     else:

@@ -132,7 +132,13 @@ class SparseTensor:
         """Batch per-sample voxel sets (objects with ``coords [n, 3]`` and ``feats [n, C]``)."""
         coords, feats = [], []
         for b, s in enumerate(samples):
-            c = torch.as_tensor(s.coords, dtype=torch.int32)
+            wide = torch.as_tensor(s.coords)
+            if wide.is_floating_point() or (len(wide) and not (
+                    int(wide.min()) >= -(2 ** 31) and int(wide.max()) < 2 ** 31)):
+                raise SparseTensorError(  # int32 would keep the low bits: a voxel elsewhere
+                    f"coords of sample {b} must be integers within int32; got {wide.dtype} in "
+                    f"[{wide.min().item()}, {wide.max().item()}]")
+            c = wide.to(torch.int32)
             coords.append(torch.cat([torch.full((len(c), 1), b, dtype=torch.int32), c], 1))
             feats.append(torch.as_tensor(s.feats, dtype=dtype))
         shape = tuple(int(n) for n in spatial_shape)

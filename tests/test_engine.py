@@ -458,6 +458,28 @@ def test_spconv_subm_map_equals_explicit_pairs(gen, k, d, pieces):
     assert get_engine("torch").subm_map(x.coords, x.spatial_shape, x.batch_size, 3, 1) is None
 
 
+@pytest.mark.parametrize("depth", [63, 256])
+def test_a_subm_layer_on_a_grid_past_spconvs_cpu_index_equals_the_torch_engine(depth):
+    """Two samples, the same 8 x 8 patch of a 4096 x 4096 x ``depth`` grid: at 256 the linear
+    indices of the samples' voxels lie 2**32 apart, and spconv's CPU hash (int32) read sample 1's
+    neighbours from sample 0 (0.52 off); the layer takes our own map from 2**31 on (63: below)."""
+    from sparsepipe_hpc.nn.conv import SubMConv3d
+    from sparsepipe_hpc.sparse import SparseTensor
+
+    xs, ys = torch.meshgrid(torch.arange(100, 108), torch.arange(200, 208), indexing="ij")
+    patch = torch.stack([xs.flatten(), ys.flatten(), torch.full((64,), 3)], 1)
+    coords = torch.cat([torch.cat([torch.full((64, 1), b), patch], 1) for b in (0, 1)]).int()
+    feats = torch.cat([torch.zeros(64, 4), torch.ones(64, 4)]).double()
+    out = {}
+    for engine in ENGINES:
+        torch.manual_seed(1)
+        conv = SubMConv3d(4, 2, 3, engine=engine).double()
+        out[engine] = conv(SparseTensor(coords, feats, (4096, 4096, depth), 2)).feats
+    torch.testing.assert_close(out["spconv"], out["torch"], rtol=1e-12, atol=1e-12)
+    eng = get_engine("spconv")
+    assert (eng.subm_map(coords, (4096, 4096, depth), 2, 3, 1) is None) == (depth > 63)
+
+
 @pytest.mark.parametrize("k,d", [(3, 1), (3, 2), (5, 1)])
 def test_spconv_subm_split_backward_equals_explicit_pairs(gen, monkeypatch, k, d):
     """The Native submanifold backward CUDA takes (SPLIT_BACKWARD: spconv's own allocates per

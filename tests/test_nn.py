@@ -142,6 +142,12 @@ def test_conv_errors_name_the_problem(gen):
         SparseInverseConv3d(4, 4, 2, indice_key="nowhere")(x)
     with pytest.raises(ConvError, match="padding must be >= 0; got -1"):
         SparseConv3d(3, 4, 3, padding=-1)
+    # A reach past 2**16 voxels wrapped lookups into the next axis of the voxel keys: a
+    # SubMConv3d of dilation 2**18 paired voxels that are not neighbours.
+    with pytest.raises(ConvError, match="dilation \\* \\(kernel_size - 1\\) \\+ padding is "
+                                        "524288 voxels; at most 65536"):
+        SubMConv3d(3, 4, 3, dilation=1 << 18)
+    SparseConv3d(3, 4, 3, padding=1 << 15, dilation=1 << 14)  # within reach
     with pytest.raises(ValueError, match="momentum must be a number in \\[0, 1\\]; got None"):
         BatchNorm(4, momentum=None)  # type: ignore[arg-type]
 
@@ -273,6 +279,13 @@ def test_sparse_tensor_contract_errors():
         SparseTensor(c, f, (1 << 17, 4, 4), 1)
     with pytest.raises(SparseTensorError, match=r"coordinate z spans \[3, 3\] but must lie in \[0, 2\]"):
         SparseTensor(c, f, (4, 4, 3), 1).validate()
+    # from_voxels cast to int32 first: 2**32 + 5 became 5, a voxel validate() accepted
+    from types import SimpleNamespace
+    for coords, shown in (([[2 ** 32 + 5, 1, 1]], "int64 in \\[1, 4294967301\\]"),
+                          ([[1.5, 1.0, 1.0]], "float")):
+        with pytest.raises(SparseTensorError, match=f"coords of sample 0 must be integers within "
+                                                    f"int32; got torch.{shown}"):
+            SparseTensor.from_voxels([SimpleNamespace(coords=coords, feats=[[1.0]])], (8, 8, 8))
 
 
 def test_sparse_tensor_to_another_device_leaves_its_kernel_maps_behind(gen):

@@ -115,10 +115,12 @@ class SpconvEngine(Engine):
 
     def subm_map(self, coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int,
                  kernel_size: int, dilation: int) -> Optional[Any]:
-        """spconv's own submanifold indices (:mod:`.spconv_subm`); None for kernel size 1."""
-        if kernel_size == 1:
+        """spconv's own submanifold indices (:mod:`.spconv_subm`); None for kernel size 1, and
+        on a CPU grid past spconv's int32 index (:func:`.spconv_subm.indexable`)."""
+        from sparsepipe_hpc.engine.spconv_subm import indexable, subm_map
+
+        if kernel_size == 1 or not indexable(coords.device, spatial_shape, batch_size):
             return None
-        from sparsepipe_hpc.engine.spconv_subm import subm_map
 
         return subm_map(coords, spatial_shape, batch_size, kernel_size, dilation)
 

@@ -23,6 +23,7 @@ Row order: outputs are the input rows (``coords``), so a caller swaps this in fo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -32,9 +33,22 @@ from sparsepipe_hpc.engine.base import Progress
 from sparsepipe_hpc.engine import spconv_engine
 from sparsepipe_hpc.engine.spconv_engine import native_dtype, patch_spconv, spconv_call
 
-__all__ = ["SubmMap", "subm_map", "subm_forward", "subm_backward"]
+__all__ = ["SubmMap", "subm_map", "subm_forward", "subm_backward", "CPU_MAX_VOXEL_INDEX",
+           "indexable"]
 
 _IGEMM_MAX_VOLUME = 32  # spconv's own limit for its implicit-GEMM kernels
+
+#: spconv 2.3.8's CPU submanifold indices keep each voxel's linear index (batch x grid volume) in
+#: an int32 hash table (``generate_subm_conv_inds``; its own guard is computed in int and wraps),
+#: so on larger grids voxels 2**32 apart alias: one sample read another's neighbours, silently
+#: (0.52 off at batch 2 on a 4096 x 4096 x 256 grid). Its CUDA code switches to int64 keys.
+CPU_MAX_VOXEL_INDEX = 2 ** 31 - 1
+
+
+def indexable(device: torch.device, spatial_shape: Sequence[int], batch_size: int) -> bool:
+    """Whether spconv's own submanifold indices are right for this grid on ``device``."""
+    volume = batch_size * math.prod(int(s) for s in spatial_shape)
+    return device.type != "cpu" or volume <= CPU_MAX_VOXEL_INDEX
 
 
 @dataclass
@@ -70,8 +84,13 @@ def subm_map(coords: torch.Tensor, spatial_shape: Sequence[int], batch_size: int
     """spconv's indices for a submanifold ``kernel_size`` convolution over ``coords``.
 
     coords int32 [N, 4] (batch, x, y, z) within ``[0, spatial_shape)``, rows unique; on CUDA the
-    implicit-GEMM form when the kernel volume allows it, else the Native one.
+    implicit-GEMM form when the kernel volume allows it, else the Native one. ValueError where
+    spconv's indices would be wrong (:func:`indexable`): use :func:`halo.kmap.kernel_map`.
     """
+    if not indexable(coords.device, spatial_shape, batch_size):
+        raise ValueError(f"subm_map: {batch_size} sample(s) of a {tuple(spatial_shape)} grid "
+                         f"index past spconv's CPU limit {CPU_MAX_VOXEL_INDEX} (its int32 hash): "
+                         "use halo.kmap.kernel_map")
     patch_spconv()
     from spconv.core import ConvAlgo
     from spconv.pytorch import ops

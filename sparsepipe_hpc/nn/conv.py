@@ -27,7 +27,7 @@ from sparsepipe_hpc.kmaps import (ConvEntry, ConvError, ConvSpec, cache_key, inv
                                   serial_entry)
 from sparsepipe_hpc.nn.amp import autocast_inputs
 from sparsepipe_hpc.nn.functional import sparse_conv
-from sparsepipe_hpc.sparse import SparseTensor
+from sparsepipe_hpc.sparse import MAX_EXTENT, SparseTensor
 
 __all__ = ["SubMConv3d", "SparseConv3d", "SparseInverseConv3d", "ConvError"]
 
@@ -45,6 +45,10 @@ class _SparseConvBase(nn.Module):
                 raise ConvError(f"{name} must be >= 1; got {v}")
         if int(padding) < 0:
             raise ConvError(f"padding must be >= 0; got {padding}")
+        reach = int(dilation) * (int(kernel_size) - 1) + int(padding)
+        if reach > MAX_EXTENT:  # voxel keys hold [-2**17, 2**17): a longer reach wraps an axis
+            raise ConvError(f"dilation * (kernel_size - 1) + padding is {reach} voxels; at most "
+                            f"{MAX_EXTENT} (a grid's extent) is supported")
         if subm and kernel_size % 2 == 0:
             raise ConvError(f"a submanifold convolution needs an odd kernel_size; got {kernel_size}")
         self.in_channels, self.out_channels = in_channels, out_channels

@@ -123,6 +123,26 @@ def test_balanced_cuts_error_on_every_rank(comm):
         halo.balanced_cuts(comm, xyz, EXTENT, (comm.size, 1, 1))
 
 
+@pytest.mark.parametrize("bad", ["empty axis", "other extent", "method"])
+def test_balanced_cuts_settings_bad_or_differing_on_one_rank_raise_everywhere(comm, bad):
+    """The last rank's extent taken from its own (empty) voxels, or another extent, or another
+    method: it raised alone before the all-reduce (the others waited in it for ever), or the
+    histograms' lengths differed (MPI_ERR_TRUNCATE on one rank, its own cuts on another)."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    xyz = np.array([[1, 2, 3]]) if comm.rank == 0 else np.zeros((0, 3), np.int64)
+    extent, method = EXTENT, "quantile"
+    if comm.rank == comm.size - 1:
+        extent = {"empty axis": (0, *EXTENT[1:]), "other extent": (2 * EXTENT[0], *EXTENT[1:]),
+                  "method": EXTENT}[bad]
+        method = "minmax" if bad == "method" else method
+    mine = {"empty axis": "axis of 0 voxels|another rank passed bad settings"}.get(
+        bad, "ranks passed different settings")
+    with pytest.raises(halo.CutError, match=mine):
+        halo.balanced_cuts(comm, xyz, extent, (comm.size, 1, 1), method=method)
+    halo.balanced_cuts(comm, xyz, EXTENT, (comm.size, 1, 1))  # still in step afterwards
+
+
 def imbalance(cuts, xyz):
     n = cuts.count(xyz)
     return float(n.max() / n.mean())
