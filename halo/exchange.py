@@ -23,6 +23,11 @@ usually outlive the call, e.g. saved for a backward). Until ``wait()`` returns, 
 Tags: forward messages use ``tag``, adjoint messages ``tag + 1``; two exchanges that may be in
 flight at once between the same ranks need tags at least 2 apart, or the same start order on
 every rank (MPI matches messages of one tag in order).
+
+Errors. ``start`` checks its tensors against the plan on this rank alone (an exchange is the hot
+path: it agrees on nothing), so an ExchangeError there leaves the neighbours waiting for its
+messages: run under ``python -m launch run`` or call :func:`launch.run.abort_on_exception`, so
+that such an error ends the job. The plan itself is agreed when built (:func:`build_plan`).
 """
 
 from __future__ import annotations

@@ -432,11 +432,13 @@ class PlanCache:
     """Plans by the caller's key (like spconv's ``indice_key``): a sparsity pattern pays once.
 
         plans = PlanCache()
-        plan = plans.get_or_build("subm1", grid, cuts, coords, radius=1)   # collective on a miss
+        plan = plans.get_or_build("subm1", grid, cuts, coords, radius=1)   # collective
 
     Every rank must use the cache the same way (same keys in the same order), since a miss is a
     collective build. A hit is checked against the request (rows, radius, stride) and a mismatch
     raises PlanError: a key reused for another sparsity pattern would silently exchange garbage.
+    Each call agrees on that check, on the key and on hit or miss (one small all-reduce), so a
+    rank whose rows changed alone, or that missed where the others hit, stops every rank.
     """
 
     def __init__(self) -> None:
@@ -446,16 +448,26 @@ class PlanCache:
                      radius: int, stride: int = 1, transport: Optional[Transport] = None,
                      builder: Optional[Callable[..., HaloPlan]] = None) -> HaloPlan:
         plan = self._plans.get(key)
-        if plan is None:
-            plan = (builder or build_plan)(grid, cuts, coords, radius, stride, transport)
-            self._plans[key] = plan
-        elif (plan.num_local, plan.radius, plan.stride, plan.cuts) != (len(coords), radius, stride,
-                                                                      cuts):
+        stale = plan is not None and (plan.num_local, plan.radius, plan.stride, plan.cuts) != (
+            len(coords), radius, stride, cuts)
+        setting = f"key {key!r} {'miss' if plan is None else 'hit'}"
+        any_stale, same = agree(grid.comm, stale, setting)
+        if stale:
+            assert plan is not None
             raise PlanError(
                 f"plan cache key {key!r} holds a plan for {plan.num_local} rows, radius "
                 f"{plan.radius}, stride {plan.stride}; asked for {len(coords)} rows, radius "
                 f"{radius}, stride {stride}{'' if plan.cuts == cuts else ', other cuts'}: use a "
                 f"distinct key per sparsity pattern and radius, or clear() the cache")
+        if any_stale:
+            raise PlanError(f"plan cache key {key!r}: another rank's request does not match its "
+                            "plan; see its error")
+        if not same:
+            raise PlanError(f"the ranks use the plan cache differently; here {setting}: every "
+                            "rank must ask for the same keys in the same order, and clear() alike")
+        if plan is None:
+            plan = (builder or build_plan)(grid, cuts, coords, radius, stride, transport)
+            self._plans[key] = plan
         return plan
 
     def __contains__(self, key: Hashable) -> bool:

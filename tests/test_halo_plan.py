@@ -174,15 +174,19 @@ def test_plan_cache_checks_hits():
         return HaloPlan([], [], [], [], torch.zeros(0, 4, dtype=torch.int32), len(coords),
                         stride, radius, (0, 0, 0), cuts)
 
+    from mpi4py import MPI
+    from types import SimpleNamespace
+
+    grid = SimpleNamespace(comm=MPI.COMM_SELF)  # the hit check's agreement, on one rank
     cuts = uniform_cuts((8, 8, 8), (1, 1, 1))
     coords = torch.zeros(3, 4, dtype=torch.int32)
     cache = PlanCache()
-    a = cache.get_or_build("k", None, cuts, coords, 1, builder=builder)
-    assert cache.get_or_build("k", None, cuts, coords, 1, builder=builder) is a and built == [1]
+    a = cache.get_or_build("k", grid, cuts, coords, 1, builder=builder)
+    assert cache.get_or_build("k", grid, cuts, coords, 1, builder=builder) is a and built == [1]
     assert "k" in cache and cache["k"] is a and len(cache) == 1
     with pytest.raises(PlanError, match="key 'k' holds a plan for 3 rows, radius 1, stride 1; "
                                         "asked for 2 rows"):
-        cache.get_or_build("k", None, cuts, coords[:2], 1, builder=builder)
+        cache.get_or_build("k", grid, cuts, coords[:2], 1, builder=builder)
     cache.clear()
     assert len(cache) == 0
 

@@ -142,11 +142,23 @@ class Pipeline:
         """One mini-batch through the schedule (StageExecutor.run's contract); loss shares of
         the micro-batches on the last stage, [] elsewhere. ``backward=False``: forward only
         (evaluation), ``loss_fn``'s results returned. ``last_backward``, ``scale_loss``: see
-        StageExecutor.run."""
+        StageExecutor.run.
+
+        Every rank passes the same kind of arguments: ``micro_batches`` inputs and contexts and a
+        ``loss_fn`` (only stage 0 reads the inputs, only the last stage calls ``loss_fn``), so a
+        missing one raises on every rank, not on the one stage that needs it while the others
+        wait for its messages."""
         from mpi4py import MPI
 
         if self._comm == MPI.COMM_NULL:  # before any block runs or any state changes
             raise RuntimeError("Pipeline.run after close(); build a new Pipeline")
+        m = self.micro_batches
+        if len(inputs) != m or len(contexts) != m:
+            raise PipelineError(f"the schedule has {m} micro-batches but run() got "
+                                f"{len(inputs)} inputs and {len(contexts)} contexts; pass one of "
+                                "each per micro-batch on every rank")
+        if loss_fn is None:
+            raise PipelineError("run() needs a loss_fn on every rank (the last stage calls it)")
         shares = self.executor.run(inputs if self.is_first else [None] * self.micro_batches,
                                    contexts, loss_fn if self.is_last else None, step, backward,
                                    last_backward, scale_loss)

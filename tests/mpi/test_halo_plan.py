@@ -246,8 +246,17 @@ def test_plan_cache(comm, rng):
     mine = owned(grid, cuts, cloud)
     cache = halo.PlanCache()
     p1 = cache.get_or_build("subm1", grid, cuts, mine, radius=1)
-    assert cache.get_or_build("subm1", grid, cuts, mine, radius=1) is p1  # no collective here
+    assert cache.get_or_build("subm1", grid, cuts, mine, radius=1) is p1  # a hit: no rebuild
     p2 = cache.get_or_build("subm2", grid, cuts, mine, radius=2)
     assert len(cache) == 2 and p2 is not p1 and p2.num_halo >= p1.num_halo
     with pytest.raises(halo.PlanError, match="key 'subm1' holds a plan for"):
         cache.get_or_build("subm1", grid, cuts, mine, radius=2)
+    if comm.size > 1:  # the last rank's rows changed alone: it raised, the others waited
+        fewer = mine[:-1] if comm.rank == comm.size - 1 and len(mine) else mine
+        if comm.allreduce(int(len(fewer) != len(mine))):
+            with pytest.raises(halo.PlanError, match="holds a plan for|another rank's request"):
+                cache.get_or_build("subm1", grid, cuts, fewer, radius=1)
+        if comm.rank == 0:
+            cache.clear()  # rank 0 misses where the others hit
+        with pytest.raises(halo.PlanError, match="use the plan cache differently"):
+            cache.get_or_build("subm2", grid, cuts, mine, radius=2)
