@@ -88,6 +88,25 @@ def test_help_on_every_rank_prints_it_and_exits_0(rooms, tmp_path):
     assert proc.stdout.count("usage: ") == 2 and "error" not in proc.stderr
 
 
+def test_node_local_checkpoints_of_other_steps_stop_every_rank(rooms, tmp_path):
+    """--out relative to each rank's directory (a node-local disk) holding checkpoints of other
+    steps: each rank resumed from its own, and they trained on from steps 2 and 1."""
+    data = str(rooms / "a" / "scenes")
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for d, steps in zip(dirs, ("2", "1")):
+        d.mkdir()
+        args = trainer_args(data, Path("out"))
+        args[args.index("--steps") + 1] = steps
+        done = subprocess.run(args, cwd=d, env=mpi_env(), capture_output=True, text=True,
+                              timeout=HANG)
+        assert done.returncode == 0, done.stderr[-3000:]
+    resume = trainer_args(data, Path("out"), "--resume", "auto")
+    resume[resume.index("--steps") + 1] = "3"
+    proc = mpmd([resume, resume], dirs)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "the ranks disagree on the checkpoint resumed (step: rank 0 2, rank 1 1)" in proc.stderr
+
+
 def test_different_data_under_the_same_path_stops_every_rank(rooms, tmp_path):
     """`--data scenes` read from two working directories: 4 training scenes on rank 0, 6 on rank 1."""
     proc = mpmd([trainer_args("scenes", tmp_path / "out")] * 2, [rooms / "a", rooms / "b"])

@@ -78,6 +78,27 @@ def test_resolve_device_rules():
         resolve_device("gpu")
 
 
+def test_auto_finding_a_gpu_on_some_ranks_only_stops_every_rank(monkeypatch):
+    """Rank 1 of 2 sees no GPU: it picked the CPU and the MPI transport, the others CUDA and a
+    staged reducer, and they waited in different collectives for ever."""
+    import types
+
+    import launch.env
+    import sparsepipe_hpc.train.device as device_mod
+
+    class TwoRanks:  # rank 0's view: rank 1 answers every allgather, its device a CPU
+        def allgather(self, value):
+            return [value, "cpu"] if isinstance(value, str) else [value, value]
+
+    monkeypatch.setattr(launch.env, "detect", lambda comm: types.SimpleNamespace(local_rank=0))
+    monkeypatch.setattr(device_mod, "resolve_device", lambda kind, local: torch.device("cuda", 0))
+    cfg = types.SimpleNamespace(device="auto")
+    with pytest.raises(SetupError, match=r"--device auto resolved to other kinds of device on "
+                                         r"different ranks \(cpu on rank\(s\) \[1\]; cuda on "
+                                         r"rank\(s\) \[0\]\).*pass --device cpu"):
+        device_mod.trainer_device(cfg, TwoRanks())
+
+
 @no_cuda
 def test_auto_is_cpu_and_cuda_is_a_clear_error_here(data, tmp_path):
     assert resolve_device("auto") == torch.device("cpu")

@@ -95,14 +95,24 @@ def compute_threads(cfg: Any, comm: Any) -> int:
 
 def trainer_device(cfg: Any, comm: Any) -> torch.device:
     """The trainer's device on this rank. **Collective** (the local rank may come from
-    splitting ``comm``; a ConfigError on any rank is raised on all)."""
+    splitting ``comm``; a ConfigError on any rank is raised on all, and so is a SetupError
+    where ``--device auto`` found a GPU on some ranks only: they would pick other transports
+    and wait in other collectives)."""
     from launch.env import detect
-    from sparsepipe_hpc.train.agreement import agree
+    from sparsepipe_hpc.train.agreement import SetupError, agree
 
     if cfg.device == "cpu":
         return torch.device("cpu")
     local_rank = detect(comm).local_rank
-    return agree(comm, lambda: resolve_device(cfg.device, local_rank))
+    device = agree(comm, lambda: resolve_device(cfg.device, local_rank))
+    kinds = comm.allgather(device.type)
+    if len(set(kinds)) > 1:
+        where = "; ".join(f"{k} on rank(s) {[r for r, v in enumerate(kinds) if v == k]}"
+                          for k in sorted(set(kinds)))
+        raise SetupError(f"--device {cfg.device} resolved to other kinds of device on different "
+                         f"ranks ({where}); every rank must train on the same kind: give every "
+                         "rank a GPU, or pass --device cpu")
+    return device
 
 
 class AgreedGradScaler(torch.amp.GradScaler):

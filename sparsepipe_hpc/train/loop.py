@@ -236,6 +236,8 @@ class Trainer:
         self.resumed_from = resume
         if resume is not None:
             agree(comm, lambda: self._load(resume))
+            # Each rank read the file itself: a node-local --out may hold another run's.
+            check_same(comm, "checkpoint resumed", {"step": self.step, "epoch": self.epoch})
         # Rank 0 writes the run directory; a failure there (read-only, full) stops every rank.
         self.metrics: MetricsLog = agree(comm, self._open_outputs)
 
