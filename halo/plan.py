@@ -435,21 +435,31 @@ class PlanCache:
         plan = plans.get_or_build("subm1", grid, cuts, coords, radius=1)   # collective
 
     Every rank must use the cache the same way (same keys in the same order), since a miss is a
-    collective build. A hit is checked against the request (rows, radius, stride) and a mismatch
-    raises PlanError: a key reused for another sparsity pattern would silently exchange garbage.
+    collective build. A hit is checked against the request (the rows themselves: the same coords
+    tensor, or equal ones; radius, stride, cuts, grid) and a mismatch raises PlanError: a key
+    reused for another sparsity pattern would silently exchange garbage.
     Each call agrees on that check, on the key and on hit or miss (one small all-reduce), so a
     rank whose rows changed alone, or that missed where the others hit, stops every rank.
     """
 
     def __init__(self) -> None:
         self._plans: dict[Hashable, HaloPlan] = {}
+        self._coords: dict[Hashable, torch.Tensor] = {}  # the rows each plan was built for
 
     def get_or_build(self, key: Hashable, grid: ProcessGrid, cuts: Cuts, coords: torch.Tensor,
                      radius: int, stride: int = 1, transport: Optional[Transport] = None,
                      builder: Optional[Callable[..., HaloPlan]] = None) -> HaloPlan:
-        plan = self._plans.get(key)
-        stale = plan is not None and (plan.num_local, plan.radius, plan.stride, plan.cuts) != (
-            len(coords), radius, stride, cuts)
+        plan, built_for = self._plans.get(key), self._coords.get(key)
+        other: list[str] = []  # what differs from the cached plan's request, besides the numbers
+        stale = False
+        if plan is not None and built_for is not None:
+            same_rows = built_for is coords or (built_for.shape == coords.shape
+                                                and bool(torch.equal(built_for, coords)))
+            other = [what for what, differs in (
+                ("other voxels", not same_rows and len(coords) == plan.num_local),
+                ("other cuts", plan.cuts != cuts),
+                ("another box", plan.grid_coords != tuple(grid.coords))) if differs]
+            stale = not same_rows or bool(other) or (plan.radius, plan.stride) != (radius, stride)
         setting = f"key {key!r} {'miss' if plan is None else 'hit'}"
         any_stale, same = agree(grid.comm, stale, setting)
         if stale:
@@ -457,8 +467,8 @@ class PlanCache:
             raise PlanError(
                 f"plan cache key {key!r} holds a plan for {plan.num_local} rows, radius "
                 f"{plan.radius}, stride {plan.stride}; asked for {len(coords)} rows, radius "
-                f"{radius}, stride {stride}{'' if plan.cuts == cuts else ', other cuts'}: use a "
-                f"distinct key per sparsity pattern and radius, or clear() the cache")
+                f"{radius}, stride {stride}{''.join(', ' + o for o in other)}: use a distinct "
+                f"key per sparsity pattern and radius, or clear() the cache")
         if any_stale:
             raise PlanError(f"plan cache key {key!r}: another rank's request does not match its "
                             "plan; see its error")
@@ -467,7 +477,7 @@ class PlanCache:
                             "rank must ask for the same keys in the same order, and clear() alike")
         if plan is None:
             plan = (builder or build_plan)(grid, cuts, coords, radius, stride, transport)
-            self._plans[key] = plan
+            self._plans[key], self._coords[key] = plan, coords
         return plan
 
     def __contains__(self, key: Hashable) -> bool:
@@ -481,3 +491,4 @@ class PlanCache:
 
     def clear(self) -> None:
         self._plans.clear()
+        self._coords.clear()

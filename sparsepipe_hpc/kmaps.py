@@ -68,6 +68,11 @@ class ConvEntry:
     extra: object = None  # the distributed layer's plan and split maps
     batch_size: int = 1
     native: dict = field(default_factory=dict, repr=False)  # engine name -> its subm map or None
+    # in_coords' version counter when built: a write in place since then makes the map stale
+    in_version: Optional[int] = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.in_version = coords_version(self.in_coords)
 
     def local_map(self, engine: Engine) -> Any:
         """The map a serial layer runs: for a submanifold convolution the engine's own
@@ -84,6 +89,15 @@ class ConvEntry:
         if self.kmap is None:
             self.kmap = kernel_map(self.in_coords, self.out_coords, *s.geometry)
         return self.kmap
+
+
+def coords_version(coords: torch.Tensor) -> Optional[int]:
+    """``coords``' version counter (torch counts its writes in place); None for an inference
+    tensor, which has none."""
+    try:
+        return int(coords._version)
+    except RuntimeError:
+        return None
 
 
 def cache_key(spec: ConvSpec, stride: int, indice_key: Optional[str] = None) -> str:
@@ -106,8 +120,15 @@ def cached_entry(x: SparseTensor, key: str, spec: ConvSpec,
     (:func:`cache_key` without an indice_key) another voxel set at the same stride -- after a
     non-submanifold stride-1 convolution, or ``x.replace(coords=...)`` -- gets its own map, built
     in place of the old. Under an indice_key, which names one convolution's map, another
-    geometry, or other voxels (compared by value where the tensors differ), is a ConvError."""
+    geometry, or other voxels (compared by value where the tensors differ), is a ConvError, and so
+    is ``x.coords`` written in place since a layer met it (its maps, and the check of its rows,
+    were made for the old values): build a new SparseTensor from the new coordinates."""
     e: Optional[ConvEntry] = x.kmaps.get(key)
+    if e is not None and e.in_coords is x.coords and coords_version(x.coords) != e.in_version:
+        raise ConvError(f"the input's coords were written in place after a layer built kernel "
+                        f"maps for them (kmaps {key!r}); a tensor's voxels are fixed once a layer "
+                        f"has met it: make a new SparseTensor(coords, feats, spatial_shape, "
+                        f"batch_size) from the new coordinates")
     automatic = key == cache_key(spec, x.stride)
     if e is not None and automatic and (e.in_coords is not x.coords or not _same_grid(e, x)):
         e = None  # an automatic key's entry for another voxel set or grid

@@ -67,9 +67,10 @@ def _active(coords: torch.Tensor) -> bool:
 def note(coords: torch.Tensor) -> None:
     """Record that ``coords`` is ready as of now on the current stream: a layer calls this when it
     first meets a tensor (its ``kmaps`` still empty), before it queues any work on it. Called
-    again for the same tensor (another forward pass on it), the record is renewed, or dropped
-    where it cannot be made (aside off, or a CUDA graph being captured), so an update of the
-    coordinates in place between passes is never missed."""
+    again for the same coordinates (a new tensor made on them), the record is renewed, or dropped
+    where it cannot be made (aside off, or a CUDA graph being captured). Coordinates a layer has
+    met are not written in place afterwards (the layers refuse them: :func:`~.kmaps.cached_entry`),
+    so a record never predates their values."""
     if not coords.is_cuda:
         return
     if ASIDE and not torch.cuda.is_current_stream_capturing():

@@ -177,7 +177,7 @@ def test_plan_cache_checks_hits():
     from mpi4py import MPI
     from types import SimpleNamespace
 
-    grid = SimpleNamespace(comm=MPI.COMM_SELF)  # the hit check's agreement, on one rank
+    grid = SimpleNamespace(comm=MPI.COMM_SELF, coords=(0, 0, 0))  # one rank agrees alone
     cuts = uniform_cuts((8, 8, 8), (1, 1, 1))
     coords = torch.zeros(3, 4, dtype=torch.int32)
     cache = PlanCache()
@@ -187,6 +187,11 @@ def test_plan_cache_checks_hits():
     with pytest.raises(PlanError, match="key 'k' holds a plan for 3 rows, radius 1, stride 1; "
                                         "asked for 2 rows"):
         cache.get_or_build("k", grid, cuts, coords[:2], 1, builder=builder)
+    moved = coords.clone()
+    moved[0, 1] = 5  # the same count of other voxels: the old plan exchanged the wrong rows
+    with pytest.raises(PlanError, match="asked for 3 rows, radius 1, stride 1, other voxels"):
+        cache.get_or_build("k", grid, cuts, moved, 1, builder=builder)
+    assert cache.get_or_build("k", grid, cuts, coords.clone(), 1, builder=builder) is a
     cache.clear()
     assert len(cache) == 0
 

@@ -173,6 +173,24 @@ def test_a_layer_refuses_an_input_that_breaks_the_tensor_contract():
     assert SubMConv3d(2, 3)(ok).feats.shape == (2, 3)
 
 
+@pytest.mark.parametrize("key", [None, "s"])
+def test_coords_written_in_place_after_a_layer_met_them_are_refused(gen, key):
+    """The maps cached on the tensor were reused for the moved voxels (0.5 off, silently); a new
+    tensor on the new coordinates builds its own."""
+    from sparsepipe_hpc.sparse import SparseTensor
+
+    x = random_cloud(gen, 60, channels=2, dtype=torch.float32)
+    conv = SubMConv3d(2, 3, 3, indice_key=key)
+    conv(x)
+    conv(x)  # unchanged: the cached maps serve
+    x.coords[:, 1] = x.spatial_shape[0] - 1 - x.coords[:, 1]  # mirrored in place
+    with pytest.raises(ConvError, match="coords were written in place after a layer built kernel "
+                                        "maps for them"):
+        conv(x)
+    fresh = SparseTensor(x.coords.clone(), x.feats, x.spatial_shape, x.batch_size)
+    assert conv(fresh).feats.shape == (len(x.coords), 3)
+
+
 def test_maps_do_not_cross_between_serial_and_distributed_tensors(gen):
     """A kernel map cached by a single-process layer has no split maps, and a distributed one
     no serial use: a tensor that shares another's ``kmaps`` across that line is refused."""
