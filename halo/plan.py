@@ -438,8 +438,8 @@ class PlanCache:
     collective build. A hit is checked against the request (the rows themselves: the same coords
     tensor, or equal ones; radius, stride, cuts, grid) and a mismatch raises PlanError: a key
     reused for another sparsity pattern would silently exchange garbage.
-    Each call agrees on that check, on the key and on hit or miss (one small all-reduce), so a
-    rank whose rows changed alone, or that missed where the others hit, stops every rank.
+    Each call agrees on that check and on hit or miss (one small all-reduce), so a rank whose
+    rows changed alone, or that missed where the others hit, stops every rank.
     """
 
     def __init__(self) -> None:
@@ -460,7 +460,9 @@ class PlanCache:
                 ("other cuts", plan.cuts != cuts),
                 ("another box", plan.grid_coords != tuple(grid.coords))) if differs]
             stale = not same_rows or bool(other) or (plan.radius, plan.stride) != (radius, stride)
-        setting = f"key {key!r} {'miss' if plan is None else 'hit'}"
+        # Only the verdicts are compared: a key's repr may differ between processes (a set's
+        # order follows the hash seed, an object's shows its address).
+        setting = "miss" if plan is None else "hit"
         any_stale, same = agree(grid.comm, stale, setting)
         if stale:
             assert plan is not None
@@ -473,8 +475,9 @@ class PlanCache:
             raise PlanError(f"plan cache key {key!r}: another rank's request does not match its "
                             "plan; see its error")
         if not same:
-            raise PlanError(f"the ranks use the plan cache differently; here {setting}: every "
-                            "rank must ask for the same keys in the same order, and clear() alike")
+            raise PlanError(f"the ranks use the plan cache differently; here key {key!r} is a "
+                            f"{setting}: every rank must ask for the same keys in the same order, "
+                            "and clear() alike")
         if plan is None:
             plan = (builder or build_plan)(grid, cuts, coords, radius, stride, transport)
             self._plans[key], self._coords[key] = plan, coords

@@ -27,7 +27,10 @@ other only finishes later, and a hang when the other waits for it in a collectiv
 ``python -m launch run`` every finished rank therefore waits for all the others to finish too (a
 non-blocking barrier on a communicator of its own, duplicated from ``COMM_WORLD`` when the target
 imports mpi4py), and aborts the job, naming itself, when they have not within ``--exit-timeout``
-seconds (default 300, or the ``LAUNCH_EXIT_TIMEOUT`` variable; ``0`` waits forever).
+seconds (default 300, or the ``LAUNCH_EXIT_TIMEOUT`` variable; ``0`` waits forever). So does a
+rank that leaves through :func:`install_sigterm_handler`'s callback (status 143): a scheduler
+signals every rank and the barrier completes at once, but a signal one rank got alone would
+leave the others waiting for it.
 
 SIGTERM: schedulers send it before killing a job (SLURM at the time limit, or earlier with
 ``#SBATCH --signal=TERM@120``; PBS at the wall-time limit, ``kill_delay`` seconds before SIGKILL).

@@ -133,7 +133,7 @@ class SparseTensor:
         coords, feats = [], []
         for b, s in enumerate(samples):
             wide = torch.as_tensor(s.coords)
-            if wide.is_floating_point() or (len(wide) and not (
+            if len(wide) and (wide.is_floating_point() or not (
                     int(wide.min()) >= -(2 ** 31) and int(wide.max()) < 2 ** 31)):
                 raise SparseTensorError(  # int32 would keep the low bits: a voxel elsewhere
                     f"coords of sample {b} must be integers within int32; got {wide.dtype} in "

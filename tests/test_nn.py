@@ -304,6 +304,9 @@ def test_sparse_tensor_contract_errors():
         with pytest.raises(SparseTensorError, match=f"coords of sample 0 must be integers within "
                                                     f"int32; got torch.{shown}"):
             SparseTensor.from_voxels([SimpleNamespace(coords=coords, feats=[[1.0]])], (8, 8, 8))
+    empty = SimpleNamespace(coords=torch.zeros(0, 3), feats=torch.zeros(0, 1))  # float, no rows
+    one = SimpleNamespace(coords=[[1, 2, 3]], feats=[[1.0]])
+    assert SparseTensor.from_voxels([empty, one], (8, 8, 8)).coords.tolist() == [[1, 1, 2, 3]]
 
 
 def test_sparse_tensor_to_another_device_leaves_its_kernel_maps_behind(gen):

@@ -78,8 +78,24 @@ def test_help_on_one_rank_stops_every_rank(rooms, tmp_path):
                                                                     "--help")],
                 [tmp_path, tmp_path])
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "rank 1 of 2 would leave (SystemExit: exit status 0: --help" in proc.stderr
+    assert "rank 1 of 2 left (SystemExit: exit status 0: --help" in proc.stderr
     assert not (tmp_path / "out" / "last.pt").exists()
+
+
+def test_an_exit_inside_an_agreed_step_leaves_as_asked():
+    """A signal handler's exit (launch.run.Terminated, status 143) inside agree() is re-raised
+    after the allgather, not turned into a SetupError (exit 2)."""
+    from mpi4py import MPI
+
+    from launch.run import Terminated
+    from sparsepipe_hpc.train.agreement import agree
+
+    def stopped():
+        raise Terminated(143)
+
+    with pytest.raises(Terminated) as info:
+        agree(MPI.COMM_SELF, stopped)
+    assert info.value.code == 143
 
 
 def test_help_on_every_rank_prints_it_and_exits_0(rooms, tmp_path):

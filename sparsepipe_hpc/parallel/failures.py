@@ -36,8 +36,9 @@ def run_on_all(comm: Any, fn: Callable[[], Any]) -> Outcome:
     """Run ``fn`` on every rank of ``comm`` and allgather which ranks raised. **Collective.**
 
     The message of a ValueError is its text; of any other exception ``"Class: text"``. A
-    ``SystemExit`` (argparse's ``--help``, a ``sys.exit``) counts as a failure too: a rank that
-    left alone would leave the others waiting (its message: ``"SystemExit: exit status 0"``).
+    ``SystemExit`` (argparse's ``--help``, ``sys.exit``, a signal handler's exit) counts as a
+    failure too, of kind ``"SystemExit"`` whatever its subclass: a rank that left without the
+    allgather would leave the others waiting (its message: ``"SystemExit: exit status 0"``).
     """
     value = None
     caught: Optional[BaseException] = None
@@ -46,9 +47,11 @@ def run_on_all(comm: Any, fn: Callable[[], Any]) -> Outcome:
         value = fn()
     except (Exception, SystemExit) as e:  # noqa: BLE001 - every failure must reach the others
         caught = e
-        text = f"exit status {e.code}" if isinstance(e, SystemExit) else str(e)
-        mine = (type(e).__name__, text if isinstance(e, ValueError)
-                else f"{type(e).__name__}: {text}")
+        if isinstance(e, SystemExit):
+            mine = ("SystemExit", f"{type(e).__name__}: exit status {e.code}")
+        else:
+            mine = (type(e).__name__, str(e) if isinstance(e, ValueError)
+                    else f"{type(e).__name__}: {e}")
     gathered = comm.allgather(mine)
     failures = [(r, m[0], m[1]) for r, m in enumerate(gathered) if m is not None]
     return Outcome(value, caught, failures, len(gathered))

@@ -111,6 +111,7 @@ class Pipeline:
             set_deferred_batchnorm(self.blocks, deferred_bn)
         pos, layout = ctx.position, ctx.layout
         self._comm = comm = ctx.world.Dup()
+        self._replica = comm.Split(pos.replica, comm.Get_rank())  # this pipeline's ranks
         headers = MPITransport(comm)
         self.device = next(iter(model.parameters()), torch.empty(0)).device
         link = StageLink(transport(comm) if transport is not None else headers, headers,
@@ -126,6 +127,7 @@ class Pipeline:
 
         self.executor.link.transport.close()
         if self._comm != MPI.COMM_NULL:
+            self._replica.Free()
             self._comm.Free()
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
@@ -144,21 +146,28 @@ class Pipeline:
         (evaluation), ``loss_fn``'s results returned. ``last_backward``, ``scale_loss``: see
         StageExecutor.run.
 
-        Every rank passes the same kind of arguments: ``micro_batches`` inputs and contexts and a
-        ``loss_fn`` (only stage 0 reads the inputs, only the last stage calls ``loss_fn``), so a
-        missing one raises on every rank, not on the one stage that needs it while the others
-        wait for its messages."""
+        Stage 0 reads ``inputs`` (one per micro-batch; others may pass anything), the last stage
+        calls ``loss_fn`` (others may pass None), every stage takes a context per micro-batch.
+        The stages of this replica agree on those checks first (one small allgather), so a
+        missing argument raises on every one of them, not on the stage that needs it while the
+        others wait for its messages."""
         from mpi4py import MPI
 
         if self._comm == MPI.COMM_NULL:  # before any block runs or any state changes
             raise RuntimeError("Pipeline.run after close(); build a new Pipeline")
         m = self.micro_batches
-        if len(inputs) != m or len(contexts) != m:
-            raise PipelineError(f"the schedule has {m} micro-batches but run() got "
-                                f"{len(inputs)} inputs and {len(contexts)} contexts; pass one of "
-                                "each per micro-batch on every rank")
-        if loss_fn is None:
-            raise PipelineError("run() needs a loss_fn on every rank (the last stage calls it)")
+
+        def check() -> None:
+            if len(contexts) != m or (self.is_first and len(inputs) != m):
+                raise PipelineError(f"the schedule has {m} micro-batches but run() got "
+                                    f"{len(inputs)} inputs and {len(contexts)} contexts on stage "
+                                    f"{self.stage}; pass one of each per micro-batch")
+            if self.is_last and loss_fn is None:
+                raise PipelineError(f"the last stage ({self.stage}) needs a loss_fn")
+
+        outcome = run_on_all(self._replica, check)
+        if outcome.failures:
+            raise PipelineError(outcome.failures[0][2])
         shares = self.executor.run(inputs if self.is_first else [None] * self.micro_batches,
                                    contexts, loss_fn if self.is_last else None, step, backward,
                                    last_backward, scale_loss)

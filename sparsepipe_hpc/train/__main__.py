@@ -8,10 +8,10 @@
 
 Exit status: 0 after training or after a checkpoint asked for by SIGTERM or SIGUSR1, 2 for bad
 input or a loss that turned NaN or inf (the message is printed once, by rank 0; every rank
-exits), 1 with an MPI abort of all ranks for any other exception on any rank. Ranks agree before training starts: on whether the options
-parsed, on the resolved options themselves and on a fingerprint of the data (a rank with another
-config file, --lr or data copy is an error naming the values, not a hang or a silently different
-run).
+exits), 1 with an MPI abort of all ranks for any other exception on any rank. Ranks agree
+before training starts: on whether the options parsed, on the resolved options themselves and
+on a fingerprint of the data (a rank with another config file, --lr or data copy is an error
+naming the values, not a hang or a silently different run).
 """
 
 from __future__ import annotations

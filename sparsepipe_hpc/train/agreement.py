@@ -36,25 +36,22 @@ def agree(comm: Any, fn: Callable[[], Any]) -> Any:
     left waiting in the next collective. **Collective.**
 
     A ValueError or OSError (bad input, an unreadable file) becomes :class:`SetupError` on every
-    rank, naming the rank it came from. A ``SystemExit`` (``--help``) is re-raised where every
-    rank raised one, and is a SetupError everywhere where only some did. Any other exception is
-    a bug: the rank that raised it re-raises it with its traceback (the trainer's excepthook then
-    aborts the job), the others raise SetupError naming it.
+    rank, naming the rank it came from. Any other exception is a bug, or an exit (``--help``, a
+    signal handler's): the rank that raised it re-raises it (a bug with its traceback, for the
+    trainer's excepthook to abort the job; an exit to leave as asked), the others raise
+    SetupError naming it.
     """
     outcome = run_on_all(comm, fn)
     if outcome.failures:
         caught = outcome.caught
-        exits = sum(kind == "SystemExit" for _, kind, _ in outcome.failures)
-        if isinstance(caught, SystemExit) and exits == outcome.size:
-            raise caught  # every rank leaves (--help on every rank)
-        if caught is not None and not isinstance(caught, (ValueError, OSError, SystemExit)):
+        if caught is not None and not isinstance(caught, (ValueError, OSError)):
             raise caught
         errors = [f for f in outcome.failures if f[1] != "SystemExit"]
         if not errors:
             rank, _, msg = outcome.failures[0]
-            raise SetupError(f"rank {rank} of {outcome.size} would leave ({msg}: --help, or "
-                             f"sys.exit) where {outcome.size - exits} rank(s) would go on; every "
-                             "rank must get the same command line, config file and environment")
+            raise SetupError(f"rank {rank} of {outcome.size} left ({msg}: --help, a signal or "
+                             "sys.exit) while this rank went on; every rank must get the same "
+                             "command line, config file and environment")
         rank, _, msg = errors[0]
         where = f" (rank {rank} of {outcome.size})" if outcome.size > 1 and rank != 0 else ""
         raise SetupError(f"{msg}{where}")
