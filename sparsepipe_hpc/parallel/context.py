@@ -164,7 +164,9 @@ class ParallelContext:
         The inverse of :meth:`distribute` for results (predictions, logits): every rank of the
         spatial group gets ``[len(full_coords), ...]`` on ``values``' device (values' dtype, any
         dtype), e.g. to project predictions back to points with the batch's ``point_to_voxel``
-        map. Collective over the spatial group (:func:`~halo.transport.collectives.allgatherv`).
+        map. Collective over the spatial group (:func:`~halo.transport.collectives.allgatherv`,
+        then one all-reduce of the verdict, so a ``full_coords`` that does not match on one rank
+        raises on every rank).
         """
         self._check_open()
         from halo.kmap import coord_keys
@@ -179,8 +181,16 @@ class ParallelContext:
         want = coord_keys(full_coords).to(all_keys.device)
         pos = torch.searchsorted(sorted_keys, want).clamp(max=max(len(order) - 1, 0))
         # The same count, each wanted voxel found, none twice: the same voxel set.
-        if len(all_keys) != len(want) or not torch.equal(sorted_keys[pos], want) \
-                or len(torch.unique(pos)) != len(pos):
+        bad = len(all_keys) != len(want) or not torch.equal(sorted_keys[pos], want) \
+            or len(torch.unique(pos)) != len(pos)
+        if self.group is not None:
+            from mpi4py import MPI
+
+            if self.spatial_comm.allreduce(int(bad), op=MPI.MAX) and not bad:
+                raise ValueError("collect: another spatial rank's full_coords does not match the "
+                                 "voxels the ranks hold; see its error (every rank must pass the "
+                                 "same full_coords)")
+        if bad:
             raise ValueError(f"collect: the spatial ranks hold {len(all_keys)} voxels but "
                              f"full_coords has {len(want)}, or different ones (or one twice)")
         return all_vals[order[pos].to(all_vals.device)]

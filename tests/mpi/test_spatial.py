@@ -420,6 +420,11 @@ def test_collect_any_dtype_and_row_shape(comm, dtype):
         twice[1] = twice[0]
         with pytest.raises(ValueError, match=r"or different ones \(or one twice\)"):
             ctx.collect(xl.coords, value_of(xl.coords), twice)
+        if ctx.group is not None:  # only the last rank's full_coords is off: all raise
+            mine = twice if comm.rank == comm.size - 1 else x.coords
+            with pytest.raises(ValueError, match=r"or one twice\)|another spatial rank's "
+                                                 r"full_coords does not match"):
+                ctx.collect(xl.coords, value_of(xl.coords), mine)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
