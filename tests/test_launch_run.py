@@ -235,15 +235,16 @@ def test_hook_labels_the_rank_and_returns_without_mpi(monkeypatch, capsys):
     assert all(line.startswith("[rank 3] ") for line in err.splitlines())
 
 
-def test_hook_aborts_a_live_multi_rank_world(monkeypatch, capsys):
-    calls = []
+def _hook_with_world(monkeypatch, rank: int, size: int) -> list[int]:
+    """Install the abort hook over a fake live MPI world; returns the codes Abort was called with."""
+    calls: list[int] = []
 
     class FakeComm:
         def Get_rank(self):
-            return 2
+            return rank
 
         def Get_size(self):
-            return 4
+            return size
 
         def Abort(self, code):
             calls.append(code)
@@ -254,6 +255,11 @@ def test_hook_aborts_a_live_multi_rank_world(monkeypatch, capsys):
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     monkeypatch.setattr(launch_run, "_live_mpi", lambda: FakeMPI)
     abort_on_exception()
+    return calls
+
+
+def test_hook_aborts_a_live_multi_rank_world(monkeypatch, capsys):
+    calls = _hook_with_world(monkeypatch, 2, 4)
     sys.excepthook(OSError, OSError("disk"), None)
     assert calls == [1]
     assert "[rank 2] OSError: disk" in capsys.readouterr().err
@@ -262,20 +268,6 @@ def test_hook_aborts_a_live_multi_rank_world(monkeypatch, capsys):
 def test_hook_aborts_where_stderr_cannot_be_written(monkeypatch):
     """A full disk under a per-rank ``2> file``: the traceback cannot be written, the abort must
     still happen (it came after the write, which raised: the job hung)."""
-    calls = []
-
-    class FakeComm:
-        def Get_rank(self):
-            return 1
-
-        def Get_size(self):
-            return 2
-
-        def Abort(self, code):
-            calls.append(code)
-
-    class FakeMPI:
-        COMM_WORLD = FakeComm()
 
     class Full:
         def write(self, text):
@@ -284,10 +276,8 @@ def test_hook_aborts_where_stderr_cannot_be_written(monkeypatch):
         def flush(self):
             pass
 
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
-    monkeypatch.setattr(launch_run, "_live_mpi", lambda: FakeMPI)
+    calls = _hook_with_world(monkeypatch, 1, 2)
     monkeypatch.setattr(sys, "stderr", Full())
-    abort_on_exception()
     with pytest.raises(OSError, match="No space"):
         sys.excepthook(RuntimeError, RuntimeError("rank 1 failed"), None)
     assert calls == [1]
