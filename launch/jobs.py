@@ -24,6 +24,10 @@ A plan (JSON, from the planner) gives at least ``nodes``, ``gpus_per_node`` (or 
 ``micro_batches``, ``--balance`` for a pipeline with ``balance`` and ``--pipeline-schedule``)
 before the trainer arguments given after ``--``. The planner's ``--json`` output (``{"plans":
 [chosen, ...]}``) is read as its chosen plan.
+
+A trainer job given ``--out`` and no ``--resume`` gets ``--resume auto``: a job the scheduler
+requeues (after a node failure) or that is submitted again continues from the checkpoint its
+SIGTERM wrote, where it would start over and replace it.
 """
 
 from __future__ import annotations
@@ -367,6 +371,20 @@ def _mpirun(spec: JobSpec) -> str:
     return 'mpiexec -n "$NRANKS"'
 
 
+def _given(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def script_trainer_args(spec: JobSpec) -> list[str]:
+    """The arguments the script passes to ``spec.module``: the trainer's ``--out`` without a
+    ``--resume`` gets ``--resume auto``, so a rerun of the script continues its checkpoint."""
+    args = list(spec.trainer_args)
+    if (spec.module == "sparsepipe_hpc.train" and _given(args, "--out")
+            and not _given(args, "--resume")):
+        args += ["--resume", "auto"]
+    return args
+
+
 def context(spec: JobSpec, command: str = "") -> dict[str, str]:
     """Every placeholder's value for ``spec``; ``command`` is echoed in the script's header."""
     local = spec.scheduler == "local"
@@ -391,7 +409,7 @@ def context(spec: JobSpec, command: str = "") -> dict[str, str]:
         "mpirun_root": ('if [ "$(id -u)" -eq 0 ]; then MPIRUN+=(--allow-run-as-root); fi'
                         if spec.mpi == "openmpi" else ""),
         "module": spec.module,
-        "trainer_args": shlex.join(spec.trainer_args),
+        "trainer_args": shlex.join(script_trainer_args(spec)),
         "command": (command or "(library call)").replace("\n", "\\n"),
     }
 

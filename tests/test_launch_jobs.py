@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from launch.errors import LaunchError
-from launch.jobs import (JobSpec, fill, find_templates, load_plan, render, spec_from_plan)
+from launch.jobs import (JobSpec, fill, find_templates, load_plan, render, script_trainer_args,
+                         spec_from_plan)
 
 REPO = Path(__file__).resolve().parent.parent
 TRICKY_ARGS = ("--epochs", "3", "--name", "run a;b", "--out", "$HOME/x'y", "--flag=\"q\"")
@@ -84,7 +85,7 @@ def _check_common(script: str, spec: JobSpec) -> None:
                           if line.startswith(("#SBATCH", "#PBS"))), default=-1)
     assert last_directive < body[0]
     exports = _exports(script)
-    assert _trainer_tokens(script, spec.module) == list(spec.trainer_args)
+    assert _trainer_tokens(script, spec.module) == script_trainer_args(spec)
     assert (("NCCL_DEBUG" in exports) == (not spec.cpu_only))
     local = spec.scheduler == "local"
     # The BTL's name depends on the Open MPI version: 'launch run' picks it; no script names it.
@@ -402,8 +403,21 @@ def test_command_line_renders_with_trainer_arguments(tmp_path):
                 "02:00:00", "--account", "proj", "--partition", "gpu", "--", *TRICKY_ARGS)
     d = _sbatch(proc.stdout)
     assert (d["--ntasks"], d["--account"], d["--partition"]) == ("32", "proj", "gpu")
-    assert _trainer_tokens(proc.stdout) == list(TRICKY_ARGS)
+    # --out without --resume: a requeued or resubmitted job continues its checkpoint
+    assert _trainer_tokens(proc.stdout) == [*TRICKY_ARGS, "--resume", "auto"]
     assert "# Rendered by: python -m launch job --scheduler slurm" in proc.stdout
+
+
+@pytest.mark.parametrize("args,module,added", [
+    (("--out", "runs/a"), "sparsepipe_hpc.train", True),
+    (("--out=runs/a",), "sparsepipe_hpc.train", True),
+    (("--out", "runs/a", "--resume", "runs/b/last.pt"), "sparsepipe_hpc.train", False),
+    (("--epochs", "2"), "sparsepipe_hpc.train", False),  # a new timestamped folder each run
+    (("--out", "runs/a"), "mypackage.train", False),
+])
+def test_a_trainer_job_with_an_out_folder_resumes_it(args, module, added):
+    spec = JobSpec("slurm", nodes=1, gpus_per_node=4, trainer_args=args, module=module)
+    assert script_trainer_args(spec) == [*args, *(("--resume", "auto") if added else ())]
 
 
 def test_command_line_cpu_only_and_plan(tmp_path):
