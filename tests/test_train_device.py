@@ -201,6 +201,18 @@ def test_bf16_start_line_says_when_spconv_computes_in_float32(data, tmp_path, en
             "kernels" in said[0]) is note, said[0]
 
 
+def test_a_library_trainer_takes_its_threads(data, tmp_path):
+    """Only the command line set --threads: Trainer(cfg) trained on whatever torch had."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        Trainer(tiny(data, tmp_path / "t", "--threads", "2", "--engine", "torch"), MPI.COMM_SELF,
+                log=None)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_compute_threads_by_device(monkeypatch):
     """--threads wins; else 1 on a CPU (spconv's CPU kernels, ranks sharing cores), and on a GPU
     the rank's share of the node's cores for the host-side data work."""

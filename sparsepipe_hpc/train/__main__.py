@@ -66,6 +66,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except LaunchError as e:
             raise SetupError(str(e)) from None
         check_same(comm, "configuration", cfg.to_dict())
+        # Before --plan auto, whose profile then runs on the threads that will train (and
+        # --engine auto picks its engine by them); Trainer sets them too, for library callers.
+        torch.set_num_threads(compute_threads(cfg, comm))
         if cfg.plan == "auto":  # rank 0 profiles the model on the data and picks the layout
             from sparsepipe_hpc.plan.auto import auto_plan
             cfg = auto_plan(cfg, comm)
@@ -74,7 +77,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for line in ([note] if note else []) + option_notes(cfg):
                 print(line, flush=True)
         resolve_layout(cfg, comm.Get_size())  # the batch/replica checks, before any collective
-        torch.set_num_threads(compute_threads(cfg, comm))
         install_sigterm_handler()  # flag only: the loop agrees on it and checkpoints collectively
         trainer = Trainer(cfg, comm)
     except user_errors as e:

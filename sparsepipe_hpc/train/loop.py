@@ -64,7 +64,7 @@ from sparsepipe_hpc.parallel.input import LocalBatch, read_distributed
 from sparsepipe_hpc.data.prefetch import Prefetcher
 from sparsepipe_hpc.train.config import (ConfigError, TrainConfig, distributed_input,
                                          local_batch_size, resolve_layout, use_prefetch)
-from sparsepipe_hpc.train.device import Precision, trainer_device
+from sparsepipe_hpc.train.device import Precision, compute_threads, trainer_device
 from sparsepipe_hpc.train.transport import device_comm, trainer_transport
 from sparsepipe_hpc.train.metrics import MetricsLog, format_summary
 from sparsepipe_hpc.train.evaluation import eval_text, evaluate
@@ -106,7 +106,10 @@ class Trainer:
 
     ``should_stop``: polled at every step boundary (default: :func:`launch.run.stop_requested`,
     raised by SIGTERM); when it is true on any rank, every rank checkpoints and stops.
-    ``log``: where rank 0's messages go (None: quiet).
+    ``log``: where rank 0's messages go (None: quiet). Sets torch's thread count to
+    ``--threads`` (or the device's default, :func:`~.device.compute_threads`). ``--plan auto`` is
+    the caller's to resolve first (:func:`sparsepipe_hpc.plan.auto.auto_plan`, as
+    ``python -m sparsepipe_hpc.train`` does); unresolved, the layout options as given are used.
     """
 
     def __init__(self, cfg: TrainConfig, comm: Any = None, *,
@@ -120,6 +123,7 @@ class Trainer:
             should_stop = stop_requested
         self.cfg, self.comm, self.should_stop = cfg, comm, should_stop
         self.layout = resolve_layout(cfg, comm.Get_size())
+        torch.set_num_threads(compute_threads(cfg, comm))  # (--engine auto reads it)
         self.is_root = comm.Get_rank() == 0
         self._log = log if self.is_root else None
         # --device, --precision (sparsepipe_hpc.train.device): a ConfigError on every rank when
