@@ -40,3 +40,13 @@ def test_prefetch_benchmark_runs_on_cpu_and_writes_its_figures(tmp_path):
 def test_cuda_without_cuda_is_a_clear_error(tmp_path):
     proc = run(["--device", "cuda"], tmp_path)
     assert proc.returncode != 0 and "torch sees no CUDA device" in proc.stderr
+
+
+@pytest.mark.parametrize("option", ["--device", "--steps=3", "--no-prefetch"])
+def test_trainer_options_the_benchmark_sets_are_refused(tmp_path, option):
+    """Appended after the user's, the benchmark's own options won silently (a --device cuda
+    after '--' ran on the CPU)."""
+    proc = run(["--", option, "x"], tmp_path)
+    flag = option.split("=")[0]
+    assert proc.returncode != 0 and f"the trainer option {flag} is the benchmark's own" \
+        in proc.stderr

@@ -93,10 +93,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     from mpi4py import MPI
 
     from sparsepipe_hpc.train.config import parse_config
-    from sparsepipe_hpc.train.device import compute_threads
     from sparsepipe_hpc.train.loop import Trainer
 
     args = build_parser().parse_args(argv)
+    own = ("--device", "--out", "--steps", "--checkpoint-every", "--prefetch", "--no-prefetch",
+           "--threads", "--progress", "--no-progress", "--plan")
+    for a in args.trainer_args:  # appended below, they would win silently
+        if a.split("=", 1)[0] in own:
+            raise SystemExit(f"bench prefetch: the trainer option {a.split('=', 1)[0]} is the "
+                             "benchmark's own (its --device, --threads, --steps) or has no "
+                             "meaning here; drop it after '--'")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench prefetch --device cuda: torch sees no CUDA device here")
     with tempfile.TemporaryDirectory() as out:
@@ -104,8 +110,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         cfg = parse_config([*args.trainer_args, "--device", args.device, "--no-progress",
                             "--out", out, "--steps", str(10**6), "--checkpoint-every", "0",
                             "--no-prefetch", *extra])  # the benchmark switches it per mode
-        torch.set_num_threads(compute_threads(cfg, MPI.COMM_WORLD))  # as the trainer's main
-        trainer = Trainer(cfg, MPI.COMM_WORLD, log=None)
+        trainer = Trainer(cfg, MPI.COMM_WORLD, log=None)  # (it sets the compute threads)
         say = print if MPI.COMM_WORLD.Get_rank() == 0 else (lambda *_: None)
         say(f"bench prefetch: {cfg.task} {cfg.model} width {cfg.width} depth {cfg.depth}, "
             f"batch {cfg.batch_size}, on {trainer.device} with {torch.get_num_threads()} "
