@@ -206,9 +206,11 @@ def test_a_library_trainer_takes_its_threads(data, tmp_path):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        Trainer(tiny(data, tmp_path / "t", "--threads", "2", "--engine", "torch"), MPI.COMM_SELF,
-                log=None)
+        t = Trainer(tiny(data, tmp_path / "t", "--threads", "2", "--engine", "torch"),
+                    MPI.COMM_SELF, log=None)
         assert torch.get_num_threads() == 2
+        t.metrics.close()
+        t.close()
     finally:
         torch.set_num_threads(before)
 

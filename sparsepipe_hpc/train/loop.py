@@ -544,17 +544,19 @@ class Trainer:
         kept = (f"{self.out / ckpt_io.LAST} keeps the last checkpoint written before it"
                 if self._on_disk is not None else "no checkpoint was written")
         if self.precision.scaler is None:
-            raise DivergedError(
-                f"step {self.step}: the training loss is {loss} (--precision "
-                f"{self.cfg.precision}), so the weights this step updated are not finite; they "
-                f"are not saved ({kept}). Lower --lr (now {self.cfg.lr}), lengthen --warmup, or "
-                "look for NaN or inf in the data's features")
-        if self._non_finite >= MAX_SKIPPED_STEPS:
-            raise DivergedError(
-                f"step {self.step}: the training loss was NaN or inf for {self._non_finite} steps "
-                f"in a row under --precision fp16 (the loss scaler skipped each update: the "
-                f"weights are finite, {kept}); the forward pass itself overflows float16: try "
-                f"--precision bf16 or fp32, a lower --lr, or look for NaN or inf in the data")
+            why = (f"step {self.step}: the training loss is {loss} (--precision "
+                   f"{self.cfg.precision}), so the weights this step updated are not finite; "
+                   f"they are not saved ({kept}). Lower --lr (now {self.cfg.lr}), lengthen "
+                   "--warmup, or look for NaN or inf in the data's features")
+        elif self._non_finite >= MAX_SKIPPED_STEPS:
+            why = (f"step {self.step}: the training loss was NaN or inf for {self._non_finite} "
+                   f"steps in a row under --precision fp16 (the loss scaler skipped each update: "
+                   f"the weights are finite, {kept}); the forward pass itself overflows float16: "
+                   f"try --precision bf16 or fp32, a lower --lr, or look for NaN or inf in the data")
+        else:
+            return
+        agree(self.comm, self.metrics.close)  # the log keeps the steps up to this one
+        raise DivergedError(why)
 
     def _log_eval(self, bar: Any) -> dict[str, Any]:
         """An evaluation on the schedule: run, logged, said. **Collective.**"""
