@@ -119,6 +119,11 @@ def test_plan_command_bad_input_exits_2(tmp_path, capsys):
     assert plan_main(["--profile", str(prof), "--ranks", "2", "--json",
                       str(tmp_path / "no" / "dir" / "p.json")]) == 2
     assert "--json " in capsys.readouterr().err
+    # Options that say how to measure a profile contradict a profile read from a file.
+    assert plan_main(["--profile", str(prof), "--ranks", "2", "--width", "32",
+                      "--precision", "bf16"]) == 2
+    assert ("but --width, --precision say(s) how to measure one; drop them"
+            in capsys.readouterr().err)
     for bad, words in ((["--extent", "10,10"], "must be three integers >= 1"),
                        (["--ranks", "0"], "argument --ranks: must be > 0; got 0"),
                        (["--voxels-per-sample", "-1"], "--voxels-per-sample: must be > 0")):

@@ -105,3 +105,20 @@ def test_kernel_maps_creators_and_users():
     assert maps["subm:k3:d1:s1"].creator == 0 and maps["subm:k3:d1:s1"].users == (4,)
     assert all(k.build(x.num_voxels) >= 0 for k in prof.kmaps)
     assert ModelProfile.from_json(prof.to_json()) == prof
+
+
+def test_a_mixed_precision_profile_measures_under_autocast():
+    # A bf16 run keeps bf16 activations: the profile must see them, not float32 ones.
+    net = _net("unet", width=8, depth=2)
+    batches = [synthetic_batch(v, 3, multiple=net.total_stride) for v in (500, 1000)]
+    fp32 = profile_model(net, batches, repeats=1, warmup=0, split_grids=())
+    bf16 = profile_model(net, batches, repeats=1, warmup=0, split_grids=(),
+                         autocast=torch.bfloat16)
+    assert fp32.notes["autocast"] is None and bf16.notes["autocast"] == "bfloat16"
+    # The head keeps its input features, bf16 under autocast: half the float32 bytes (and
+    # autocast's bf16 copy of its weight, 8 x 5 x 2 bytes).
+    assert bf16.blocks[-1].act_bytes(1000) == pytest.approx(fp32.blocks[-1].act_bytes(1000) / 2
+                                                            + 80)
+    assert bf16.blocks[-1].out_bytes(1000) < fp32.blocks[-1].out_bytes(1000)
+    with pytest.raises(ProfileError, match="autocast must be None"):
+        profile_model(net, batches, repeats=1, autocast=torch.float64)

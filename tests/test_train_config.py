@@ -69,6 +69,9 @@ def test_config_file_and_command_line_wins(tmp_path):
     ('task = "detect"\n', "--config .*invalid choice: 'detect'"),
     ('lr = [1, 2]\n', "takes one value"),
     ('this is not toml\n', "not valid TOML"),
+    ('micro_batches = 2\nmicro-batches = 4\n',
+     "keys 'micro_batches' and 'micro-batches' both set --micro-batches; keep one"),
+    ('augment = true\nno-augment = true\n', "keys 'augment' and 'no-augment' both set --augment"),
 ])
 def test_bad_config_file(tmp_path, text, match):
     f = tmp_path / "bad.toml"
@@ -229,6 +232,11 @@ def test_options_that_change_nothing_are_noted():
     assert [n.split(" ")[1] for n in notes] == ["--warmup", "--deferred-bn",
                                                 "--pipeline-schedule"], notes
     assert "never reaches --lr" in notes[0]
+    assert option_notes(parse_config(["--grid", "2,1,1", "--cuts", "uniform", "--no-overlap"])) \
+        == []
+    notes = option_notes(parse_config(["--cuts", "uniform", "--no-overlap"]))
+    assert notes == ["note: --cuts uniform and --no-overlap change(s) nothing on a 1x1x1 --grid "
+                     "(no sample is split)"]
 
 
 def test_a_default_batch_that_does_not_split_over_the_replicas_grows_to_fit():

@@ -4,7 +4,8 @@
 
 Rank 0 voxelizes batches of the first 1, 2 and 4 training samples (capped by the batch size: the
 sizes micro-batches have, so the voxel fit interpolates), profiles the model on them on its own
-training device (:func:`~sparsepipe_hpc.plan.profile.profile_model`, 3 repeats), and searches the
+training device in its ``--precision`` (:func:`~sparsepipe_hpc.plan.profile.profile_model` under
+the run's autocast, 3 repeats), and searches the
 layouts of the job's ranks on a uniform machine of that many ranks (every rank the same speed,
 the launcher's ranks per node, default links; CPU ranks share the cores rank 0's node's ranks
 may run on), keeping every layout option the user set (``cfg.plan_fixed``). The chosen plan is
@@ -31,7 +32,7 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3,
                     cores_per_node: Optional[int] = None) -> Any:
     """The best :class:`~sparsepipe_hpc.plan.search.Plan` for ``cfg`` on ``world_size`` ranks,
     ``ranks_per_node`` of them per node (default: all on one), profiled on ``device`` (the one the
-    run computes on: GPU timings plan a GPU run). CPU ranks share ``cores_per_node`` cores
+    run computes on: GPU timings plan a GPU run) in ``cfg.precision``. CPU ranks share ``cores_per_node`` cores
     (``Machine.core_share``; None: a device each, as GPU ranks have)."""
     import torch
 
@@ -40,6 +41,7 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3,
     from sparsepipe_hpc.plan.machine import Machine
     from sparsepipe_hpc.plan.profile import profile_model
     from sparsepipe_hpc.plan.search import search
+    from sparsepipe_hpc.train.device import precision_dtype
 
     seg = cfg.task == "seg"
     data = SceneDataset(data_dir, "train") if seg else ModelNetDataset(data_dir, "train")
@@ -52,7 +54,8 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3,
     sizes = sorted({min(k, len(data), cfg.batch_size) for k in (1, 2, 4)})
     batches = [collate([data[i] for i in range(k)], cfg.voxel_size, origin, shape,
                        clip=True).x.to(device) for k in sizes]
-    prof = profile_model(model, batches, repeats=repeats, name=cfg.model)
+    prof = profile_model(model, batches, repeats=repeats, name=cfg.model,
+                         autocast=precision_dtype(cfg.precision))
     fixed: dict[str, Any] = {}
     for key in cfg.plan_fixed:
         value = getattr(cfg, key)

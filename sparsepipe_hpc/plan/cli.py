@@ -9,8 +9,9 @@
 Prints a table of the chosen plan and the runners-up (predicted seconds per step, its parts, the
 largest device memory), and with ``--json FILE`` writes them (``plans[0]`` is the chosen plan; the
 file is what ``train --plan FILE`` and ``python -m launch job --plan FILE`` read). The profile is
-measured here, on ``--device``, on synthetic room-like samples (``--sample-voxels``), or read
-from ``--profile FILE``. Every step time is a prediction of the cost model; the header says so,
+measured here, on ``--device`` in ``--precision``, on synthetic room-like samples
+(``--sample-voxels``), or read from ``--profile FILE`` (then the options that say how to measure
+one are an error). Every step time is a prediction of the cost model; the header says so,
 and says when the plan is for more ranks than this machine has (an extrapolation).
 Exit status 2 with one line on bad input.
 """
@@ -27,6 +28,11 @@ from typing import Any, Optional, Sequence
 __all__ = ["main", "build_parser", "format_table"]
 
 PROG = "python -m sparsepipe_hpc.plan"
+PRECISIONS = ("fp32", "bf16", "fp16")   # train --precision's
+# The options that say how to measure a profile, with their defaults.
+MEASURING = {"model": "unet", "width": 16, "depth": 3, "in_channels": 3, "classes": 8,
+             "engine": "auto", "device": "cpu", "precision": "fp32", "sample_voxels": 20000,
+             "repeats": 3, "profile_out": None}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -57,20 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--measure-machine", action="store_true", help="ping-pong between ranks (run under "
       "mpirun, 2+ ranks) and print a machine TOML on rank 0")
-    a("--model", choices=("unet", "resnet"), default="unet")
-    a("--width", type=_positive(int), default=16)
-    a("--depth", type=_positive(int), default=3)
-    a("--in-channels", type=_positive(int), default=3)
-    a("--classes", type=_positive(int), default=8)
-    a("--engine", default="auto", choices=("auto", "torch", "spconv"))
-    a("--device", default="cpu", help="device to profile on (cpu, cuda)")
+    # How to measure a profile (none of these with --profile FILE): default None, so that
+    # main can tell them given; MEASURING holds the defaults.
+    a("--model", choices=("unet", "resnet"), help="default unet")
+    a("--width", type=_positive(int), help="default 16")
+    a("--depth", type=_positive(int), help="default 3")
+    a("--in-channels", type=_positive(int), help="default 3")
+    a("--classes", type=_positive(int), help="default 8")
+    a("--engine", choices=("auto", "torch", "spconv"), help="default auto")
+    a("--device", help="device to profile on (cpu, cuda; default cpu)")
+    a("--precision", choices=PRECISIONS, help="profile under the autocast of a mixed-precision "
+      "run (bf16, fp16), as train --precision computes; default fp32")
     a("--ranks", type=_positive(int), help="ranks to plan for (default: the machine file's)")
     a("--machine", metavar="FILE", help="machine TOML/JSON (--measure-machine writes one)")
     a("--device-speed", metavar="S,S,...", help="relative speed per rank, or one for all")
     a("--device-memory", metavar="B,B,...", help="bytes per rank, or one for all")
     a("--ranks-per-node", type=_positive(int), help="default: the machine file's, else all on one node")
     a("--batch-size", type=_positive(int), default=4, help="global samples per step (default 4)")
-    a("--sample-voxels", type=_positive(int), default=20000, help="voxels of the synthetic profile "
+    a("--sample-voxels", type=_positive(int), help="voxels of the synthetic profile "
       "sample; profiled at 1/2, 1 and 3/2 of it (default 20000)")
     a("--voxels-per-sample", type=_positive(float), help="predict for samples of this many voxels "
       "(default: the profile's)")
@@ -80,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--optimizer", choices=("adamw", "sgd"), default="adamw")
     a("--imbalance", type=_positive(float), default=1.0, help="largest box / mean box (default 1)")
     a("--max-micro-batches", type=_positive(int))
-    a("--repeats", type=_positive(int), default=3, help="timing repeats per block (median)")
+    a("--repeats", type=_positive(int), help="timing repeats per block (median; default 3)")
     a("--profile", metavar="FILE", help="read the profile instead of measuring it")
     a("--profile-out", metavar="FILE", help="write the measured profile (JSON)")
     a("--top", type=_positive(int), default=5, help="runners-up to show (default 5)")
@@ -124,8 +134,18 @@ def _vals(option: str, text: Optional[str], current: list[float], n: int) -> lis
 
 
 def _profile(args: argparse.Namespace) -> Any:
+    """The profile read from ``--profile``, or measured as the MEASURING options say (their
+    defaults filled into ``args``); measuring options with ``--profile`` are an error."""
     from sparsepipe_hpc.plan.profile import ModelProfile, profile_model, synthetic_batch
 
+    given = [k for k in MEASURING if getattr(args, k) is not None]
+    if args.profile and given:
+        names = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"--profile {args.profile} is a measured profile, but {names} "
+                         "say(s) how to measure one; drop them, or drop --profile to measure")
+    for k, v in MEASURING.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.profile:
         try:
             text = Path(args.profile).read_text()
@@ -135,6 +155,7 @@ def _profile(args: argparse.Namespace) -> Any:
     import torch
 
     from sparsepipe_hpc.nn import build_model
+    from sparsepipe_hpc.train.device import precision_dtype
     torch.manual_seed(0)
     model = build_model(args.model, args.in_channels, args.classes, width=args.width,
                         depth=args.depth, engine=args.engine).to(args.device)
@@ -142,7 +163,8 @@ def _profile(args: argparse.Namespace) -> Any:
     batches = [synthetic_batch(n, args.in_channels, multiple=model.total_stride, seed=k)
                for k, n in enumerate((v // 2, v, 3 * v // 2))]
     batches = [b.to(args.device) for b in batches]
-    prof = profile_model(model, batches, repeats=args.repeats, name=args.model)
+    prof = profile_model(model, batches, repeats=args.repeats, name=args.model,
+                         autocast=precision_dtype(args.precision))
     if args.profile_out:
         Path(args.profile_out).write_text(prof.to_json())
     return prof
@@ -203,9 +225,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     n = args.ranks or machine.ranks
-    here = _local_ranks(args.device)
+    here = _local_ranks(prof.device)
     vps = args.voxels_per_sample or prof.voxels_per_sample
-    print(f"model {prof.name}: {len(prof.blocks)} blocks, profiled on {prof.device} at "
+    amp = prof.notes.get("autocast")
+    print(f"model {prof.name}: {len(prof.blocks)} blocks, profiled on {prof.device}"
+          f"{f' under {amp} autocast' if amp else ''} at "
           f"{', '.join(map(str, prof.sizes))} voxels; batch {args.batch_size} x {vps:.0f} "
           f"voxels/sample; machine {'measured' if machine.measured else 'assumed'} "
           f"({machine.ranks_per_node} ranks/node)")

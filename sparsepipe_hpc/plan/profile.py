@@ -341,10 +341,14 @@ def _update_time(block: Any, repeats: int, now: Callable[[], float]) -> float:
 
 def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
                   warmup: int = 1, name: str = "",
-                  split_grids: Sequence[Sequence[int]] = PROBE_GRIDS) -> ModelProfile:
+                  split_grids: Sequence[Sequence[int]] = PROBE_GRIDS,
+                  autocast: Optional[torch.dtype] = None) -> ModelProfile:
     """Profile every block of ``model`` (a BlockSequence) on each batch; see the module.
 
     batches: input SparseTensors on the device to profile (2-3 sizes for a voxel fit).
+    autocast: the low dtype a mixed-precision run computes in (``torch.float16``,
+    ``torch.bfloat16``): every run, probe included, is under ``torch.autocast``, so times and
+    bytes are that run's (``notes["autocast"]`` names it). None: float32.
     split_grids: grids whose busiest box the split probe plays (those with a box narrower
     than the model's total stride are skipped; none: no split cost).
     Leaves the model's train/eval mode and parameters as they were (gradients are cleared).
@@ -353,6 +357,9 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
         raise ProfileError("batches is empty; pass 2-3 sample batches of different sizes")
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"repeats must be >= 1 and warmup >= 0; got {repeats}, {warmup}")
+    if autocast not in (None, torch.float16, torch.bfloat16):
+        raise ProfileError(f"autocast must be None, torch.float16 or torch.bfloat16; "
+                           f"got {autocast}")
     blocks = list(model.blocks)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     was_training = model.training
@@ -370,17 +377,19 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             runs = []
-            for r in range(warmup + repeats):
-                res = _run_once(blocks, x, params)
-                model.zero_grad(set_to_none=True)
-                if r >= warmup:
-                    runs.append(res)
-            peaks.append(int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None)
-            coef, count = halo_probe(blocks, x)
-            kraw.append(kmap_probe(blocks, x, repeats))
-            grids = [g for g in split_grids
-                     if all(int(ga) <= max(1, e // stride) for ga, e in zip(g, x.spatial_shape))]
-            split_rows += split_probe(blocks, x, grids, repeats, align=stride)
+            with torch.autocast(dev.type, dtype=autocast, enabled=autocast is not None):
+                for r in range(warmup + repeats):
+                    res = _run_once(blocks, x, params)
+                    model.zero_grad(set_to_none=True)
+                    if r >= warmup:
+                        runs.append(res)
+                peaks.append(int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda"
+                             else None)
+                coef, count = halo_probe(blocks, x)
+                kraw.append(kmap_probe(blocks, x, repeats))
+                grids = [g for g in split_grids if all(int(ga) <= max(1, e // stride)
+                                                       for ga, e in zip(g, x.spatial_shape))]
+                split_rows += split_probe(blocks, x, grids, repeats, align=stride)
             for k in range(len(blocks)):
                 raw[k].append({"voxels": float(x.num_voxels),
                                **{key: statistics.median(run[key][k] for run in runs)
@@ -415,4 +424,6 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
                         in_channels=x0.num_channels, sizes=tuple(b.num_voxels for b in batches),
                         peak_bytes=tuple(peaks),
                         notes={"repeats": repeats, "warmup": warmup,
-                               "torch": torch.__version__}, kmaps=tuple(kmaps))
+                               "torch": torch.__version__,
+                               "autocast": str(autocast).replace("torch.", "") if autocast
+                               else None}, kmaps=tuple(kmaps))

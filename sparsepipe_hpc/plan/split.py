@@ -43,6 +43,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from sparsepipe_hpc.nn.amp import autocast_inputs
 from sparsepipe_hpc.plan.cost import surface_voxels
 from sparsepipe_hpc.plan.probes import clock, visit_halo_convs
 from sparsepipe_hpc.sparse import SparseTensor
@@ -158,7 +159,7 @@ def split_probe(blocks: Sequence[Any], x: SparseTensor, grids: Sequence[Sequence
             extra[creator] += _median(split, repeats, now)
             halo_map = split()
             for k, mod, tt in users:
-                w = mod.weight_matrix().detach()
+                w, = autocast_inputs(mod.weight_matrix().detach())  # the run's compute dtype
                 feats = torch.randn(len(halo), tt.num_channels, device=w.device, dtype=w.dtype)
                 grad = torch.randn(len(local), w.shape[0], device=w.device, dtype=w.dtype)
 

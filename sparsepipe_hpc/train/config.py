@@ -310,6 +310,9 @@ def _toml_tokens(parser: argparse.ArgumentParser, path: Path) -> list[str]:
         raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
     actions = parser._option_string_actions  # noqa: SLF001 - argparse has no public lookup
     tokens: list[str] = []
+    # An option's dest -> the key that set it: `micro_batches` and `micro-batches`, or
+    # `augment` and `no_augment`, set one option, and the last would win unseen.
+    seen: dict[str, str] = {}
     for key, value in table.items():
         flag = "--" + key.replace("_", "-")
         action = actions.get(flag)
@@ -318,6 +321,10 @@ def _toml_tokens(parser: argparse.ArgumentParser, path: Path) -> list[str]:
                            and s not in ("--config", "--help"))
             raise ConfigError(f"--config {path}: unknown key {key!r}; keys are the option names: "
                               f"{', '.join(known)}")
+        if action.dest in seen:
+            raise ConfigError(f"--config {path}: keys {seen[action.dest]!r} and {key!r} both set "
+                              f"--{action.dest.replace('_', '-')}; keep one")
+        seen[action.dest] = key
         if isinstance(action, argparse.BooleanOptionalAction):
             if not isinstance(value, bool):
                 raise ConfigError(f"--config {path}: key {key!r} must be true or false; "
@@ -505,6 +512,12 @@ def option_notes(cfg: TrainConfig) -> list[str]:
     if unpipelined and cfg.pipeline_schedule != TrainConfig.pipeline_schedule:
         notes.append(f"note: --pipeline-schedule {cfg.pipeline_schedule} changes nothing without "
                      "--stages or --micro-batches")
+    if tuple(cfg.grid) == (1, 1, 1):
+        given = [f"--cuts {cfg.cuts}"] * (cfg.cuts != TrainConfig.cuts) \
+            + ["--no-overlap"] * (not cfg.overlap)
+        if given:
+            notes.append(f"note: {' and '.join(given)} change(s) nothing on a 1x1x1 --grid "
+                         "(no sample is split)")
     return notes
 
 

@@ -33,11 +33,18 @@ import torch
 from sparsepipe_hpc.train.config import ConfigError
 
 __all__ = ["DEVICES", "PRECISIONS", "resolve_device", "trainer_device", "cuda_device_count",
-           "compute_threads", "AgreedGradScaler", "Precision"]
+           "compute_threads", "AgreedGradScaler", "Precision", "precision_dtype"]
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision_dtype(name: str) -> Optional[torch.dtype]:
+    """The autocast dtype of ``--precision name`` (None for fp32); ConfigError if unknown."""
+    if name not in PRECISIONS:
+        raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}; got {name!r}")
+    return _DTYPES.get(name)
 
 
 def cuda_device_count() -> int:
@@ -149,10 +156,8 @@ class Precision:
     communicator whenever ranks hold different parameters)."""
 
     def __init__(self, name: str, device: torch.device, comm: Any = None):
-        if name not in PRECISIONS:
-            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}; got {name!r}")
+        self.dtype = precision_dtype(name)
         self.name, self.device = name, device
-        self.dtype: Optional[torch.dtype] = _DTYPES.get(name)
         self.scaler: Optional[torch.amp.GradScaler] = None
         if name == "fp16":
             self.scaler = (torch.amp.GradScaler(device.type) if comm is None
