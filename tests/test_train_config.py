@@ -234,6 +234,8 @@ def test_options_that_change_nothing_are_noted():
     assert "never reaches --lr" in notes[0]
     assert option_notes(parse_config(["--grid", "2,1,1", "--cuts", "uniform", "--no-overlap"])) \
         == []
+    assert option_notes(parse_config(["--trace-steps", "3"]))[0].startswith(
+        "note: --trace-steps 3 changes nothing without --trace")
     notes = option_notes(parse_config(["--cuts", "uniform", "--no-overlap"]))
     assert notes == ["note: --cuts uniform and --no-overlap change(s) nothing on a 1x1x1 --grid "
                      "(no sample is split)"]

@@ -83,6 +83,7 @@ class TrainConfig:
     out: Optional[str] = None
     resume: Optional[str] = None
     trace: Optional[str] = None
+    trace_steps: int = 20
     plot: Optional[str] = None
     checkpoint_every: int = 100
     eval_every: int = 0
@@ -238,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace (JSON) of the "
                    "training steps: one row per rank with its forward, backward, stage send/"
                    "receive, halo-wait, all-reduce and step spans (open in ui.perfetto.dev)")
+    g.add_argument("--trace-steps", type=_positive_int, metavar="N", help="the steps --trace and "
+                   "--plot hold: this run's first N (default 20; the spans of every step of a "
+                   "long run would grow without bound, and on a GPU each span waits for it)")
     g.add_argument("--plot", metavar="FILE.png", help="draw the same timeline (one row per "
                    "rank, idle time in grey) with matplotlib, the plot extra (pip install "
                    "'sparsepipe_hpc[plot]'); with or without --trace")
@@ -512,6 +516,9 @@ def option_notes(cfg: TrainConfig) -> list[str]:
     if unpipelined and cfg.pipeline_schedule != TrainConfig.pipeline_schedule:
         notes.append(f"note: --pipeline-schedule {cfg.pipeline_schedule} changes nothing without "
                      "--stages or --micro-batches")
+    if cfg.trace_steps != TrainConfig.trace_steps and not (cfg.trace or cfg.plot):
+        notes.append(f"note: --trace-steps {cfg.trace_steps} changes nothing without --trace or "
+                     "--plot")
     if tuple(cfg.grid) == (1, 1, 1):
         given = [f"--cuts {cfg.cuts}"] * (cfg.cuts != TrainConfig.cuts) \
             + ["--no-overlap"] * (not cfg.overlap)

@@ -462,10 +462,12 @@ class Trainer:
                    dynamic_ncols=True)
         recorder = (Recorder.start(self.comm, self.device)  # collective
                     if cfg.trace or cfg.plot else None)
+        first_traced = self.step + 1
         if self._eval_missing():  # a run stopped right after an eval step, before its eval
             self._log_eval(bar)
         with self._prefetching():  # --prefetch: the next batch read during each step
-            last_train, last_eval, stopped = self._train_steps(bar, recorder)
+            last_train, last_eval, stopped = self._train_steps(
+                bar, recorder, until=self.step + cfg.trace_steps)
         bar.close()
         if stopped:
             self._say(f"stop requested: checkpoint at step {self.step} in "
@@ -481,16 +483,18 @@ class Trainer:
         if recorder is not None:
             run_files.write_trace(recorder, self.comm, self.ctx.position, trace=cfg.trace,
                                   plot=cfg.plot, say=self._say, title=run_files.plot_title(
-                                      cfg, self.layout, self.pipe is not None, self.step))
+                                      cfg, self.layout, self.pipe is not None, first_traced,
+                                      min(self.step, first_traced + cfg.trace_steps - 1)))
         summary = format_summary(last_train, last_eval, time.perf_counter() - t_start)
         self._say(summary)
         return {"step": self.step, "stopped": stopped, "train": last_train, "eval": last_eval,
                 "summary": summary}
 
-    def _train_steps(self, bar: Any, recorder: Optional[Recorder]
+    def _train_steps(self, bar: Any, recorder: Optional[Recorder], until: int
                      ) -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]], bool]:
         """Steps to ``total_steps`` or a stop, with evaluations and checkpoints on their
-        schedule: (last train record, last eval record, stopped?)."""
+        schedule, ``recorder`` tracing the steps up to step ``until``: (last train record,
+        last eval record, stopped?)."""
         cfg = self.cfg
         last_train: Optional[dict[str, Any]] = None
         last_eval: Optional[dict[str, Any]] = None
@@ -500,7 +504,7 @@ class Trainer:
             for indices in self.batches:
                 epoch = self.epoch = self.batches.epoch
                 lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
-                with recording(recorder):
+                with recording(recorder if self.step < until else None):
                     share, n_local = self.train_step(indices, epoch)
                 self.step += 1
                 stop = float(bool(self.should_stop()))

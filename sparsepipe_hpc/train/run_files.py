@@ -159,10 +159,11 @@ def write_trace(recorder: Recorder, comm: Any, position: Position, *, trace: Opt
         say(f"timeline: {plot}")
 
 
-def plot_title(cfg: TrainConfig, layout: RankLayout, pipelined: bool, steps: int) -> str:
-    """The timeline's title: model, layout, schedule, steps."""
+def plot_title(cfg: TrainConfig, layout: RankLayout, pipelined: bool, first: int,
+               last: int) -> str:
+    """The timeline's title: model, layout, schedule, the steps traced (``first``..``last``)."""
     text = (f"{cfg.model}, {layout.replicas} replica(s) x {layout.stages} stage(s) x grid "
             f"{'x'.join(map(str, layout.grid))}")
     if pipelined:
         text += f", {cfg.pipeline_schedule} with {cfg.micro_batches} micro-batch(es)"
-    return text + f", {steps} steps"
+    return text + (f", step {first}" if first == last else f", steps {first}-{last}")

@@ -191,16 +191,18 @@ TOP = {"forward", "backward", "send", "recv", "step", "input"}  # a rank's seque
 def test_trace_has_one_row_per_rank_with_the_schedule_actions(comm, shared, tmp_path):
     """--trace: rank 0 writes a Chrome trace, one row per rank; each row's top-level spans are
     its stage's schedule actions in program order (after each step's input distribution),
-    never overlapping; all-reduce, send drains and halo waits nest inside them."""
+    never overlapping; all-reduce, send drains and halo waits nest inside them. It holds the
+    first --trace-steps steps only."""
     if comm.size not in LAYOUTS:
         pytest.skip(f"no one-replica pipeline layout for {comm.size} ranks")
     stages, grid, balance = LAYOUTS[comm.size][0]
     path = Path(comm.bcast(str(tmp_path / "trace.json") if comm.rank == 0 else None))
-    steps = 2
+    steps = 2   # of 3
     # --plot too where matplotlib (the plot extra) is installed
     png = path.with_suffix(".png") if importlib.util.find_spec("matplotlib") else None
     t = Trainer(config(shared, shared / f"trace-{comm.size}", "--stages", str(stages), "--grid",
-                       grid, "--balance", balance, "--steps", str(steps), "--trace", str(path),
+                       grid, "--balance", balance, "--steps", "3", "--trace-steps", str(steps),
+                       "--trace", str(path),
                        *(("--plot", str(png)) if png else ())),
                 comm, log=None)
     t.run()
