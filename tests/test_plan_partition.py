@@ -410,3 +410,56 @@ def test_the_search_evaluates_few_of_the_candidate_bottlenecks(monkeypatch):
         seen.clear()
         partition_stages(blocks, devs, Link(alpha=1e-5, beta=1e-10), m)
         assert 0 < sum(seen) <= 600, (m, sum(seen))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tails_are_minimised_exactly(seed):
+    """With once-per-step tails (the all-reduce, the update), the least pipeline step plus each
+    tail's largest stage, against brute force; also with two links per stage pair (slowest)."""
+    rng = np.random.default_rng(500 + seed)
+    checked = 0
+    for _ in range(120):
+        blocks, devs, link, m, inflight = random_instance(rng, exact=False)
+        n, S = len(blocks), len(devs)
+        pairs = [(Link(float(rng.uniform(0, 3)), float(rng.uniform(0, 1))),
+                  Link(float(rng.uniform(0, 3)), float(rng.uniform(0, 1)))) for _ in range(S - 1)]
+        tails = [rng.uniform(0, float(rng.choice([0.5, 5, 50])), size=(S, n + 1, n + 1))
+                 for _ in range(int(rng.integers(1, 3)))]
+        for tail in tails:           # a tail grows with its stage: like an all-reduce, an update
+            tail[:] = np.maximum.accumulate(tail, axis=2)
+        cands = []
+        for bounds, _ in brute_all(blocks, devs, link, m, inflight):
+            times = []
+            for s in range(S):
+                i, j = bounds[s], bounds[s + 1]
+                t = sum(b.time for b in blocks[i:j]) / devs[s].speed + sum(b.comm
+                                                                           for b in blocks[i:j])
+                if s > 0:
+                    t += 2 * max(ln.time(blocks[i - 1].out_bytes) for ln in pairs[s - 1])
+                if s < S - 1:
+                    t += 2 * max(ln.time(blocks[j - 1].out_bytes) for ln in pairs[s])
+                times.append(t)
+            extra = sum(max(tail[s, bounds[s], bounds[s + 1]] for s in range(S))
+                        for tail in tails)
+            cands.append((bounds, brute_step(times, m) + extra))
+        if not cands:
+            continue
+        p = partition_stages(blocks, devs, pairs, m, inflight, tails=tails)
+        got = p.step_time() + sum(max(tail[s, p.bounds[s], p.bounds[s + 1]] for s in range(S))
+                                  for tail in tails)
+        assert math.isclose(got, min(c[1] for c in cands), rel_tol=1e-9, abs_tol=1e-12)
+        checked += 1
+    assert checked > 60
+
+
+def test_tails_and_link_lists_are_checked():
+    blocks, devs = [Block(time=1.0)] * 3, [Device()] * 2
+    with pytest.raises(PartitionError, match=r"tails\[0\] must be a \[2, 4, 4\] array"):
+        partition_stages(blocks, devs, tails=[np.zeros((2, 3, 3))])
+    with pytest.raises(PartitionError, match="non-empty list of Links"):
+        partition_stages(blocks, devs, [[]])
+    # The update tail moves a block off the stage whose update is dear.
+    tail = np.zeros((2, 4, 4))
+    tail[1, 1:, 3] = [10.0, 0.1, 0.0]        # stage 1 on [1, 3): 10 s; on [2, 3): 0.1 s
+    assert partition_stages(blocks, devs, tails=[tail]).bounds == (0, 2, 3)
+    assert partition_stages(blocks, devs).bounds == (0, 1, 3)

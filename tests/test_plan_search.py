@@ -205,3 +205,31 @@ def test_a_plan_names_its_job_layout_only_where_it_fills_whole_nodes():
     p = evaluate(profile(), m, replicas=8, stages=1, grid=(1, 1, 1), micro_batches=1,
                  batch_size=8)
     assert (p.to_dict(m)["nodes"], p.to_dict(m)["gpus_per_node"]) == (2, 4)
+
+
+def test_the_split_counts_the_all_reduce_and_the_update_it_makes():
+    """The step adds each stage's all-reduce and update; the split minimises them too: blocks 1
+    and 2 hold the parameters and dear updates, so they go to different stages."""
+    import dataclasses
+    base = profile(times=(1.0, 1.0, 1.0), params=0.0)
+    blocks = tuple(dataclasses.replace(b, update=u) for b, u in zip(base.blocks, (0, 0.5, 0.5)))
+    prof = dataclasses.replace(base, blocks=blocks)
+    m = Machine.uniform(2, 2, intra=Link(), inter=Link())
+    best = search(prof, m, batch_size=1, fixed={"stages": 2, "micro_batches": 1}).plans[0]
+    by_balance = {bal: evaluate(prof, m, 1, 2, (1, 1, 1), 1, 1, balance=bal).step_time
+                  for bal in [(1, 2), (2, 1)]}
+    assert by_balance == pytest.approx({(1, 2): 7.0, (2, 1): 6.5})
+    assert best.balance == (2, 1) and best.step_time == pytest.approx(6.5)
+    with pytest.raises(SearchError, match=r"schedule 'GPipe' must be one of \['1f1b', 'gpipe'\]"):
+        search(prof, m, batch_size=1, schedule="GPipe")
+
+
+def test_a_group_across_nodes_pays_the_slower_link_for_its_messages():
+    # The inter-node link has more latency but more bandwidth: small halo messages are slower
+    # on it. Ranks 0-2 on node 0, rank 3 on node 1: replica 1's spatial group crosses nodes.
+    intra, inter = Link(alpha=2e-6, beta=1e-10), Link(alpha=5e-6, beta=8e-11)
+    m = Machine.uniform(4, 3, intra=intra, inter=inter)
+    p = evaluate(profile(halo=1.0), m, 2, 1, (2, 1, 1), 1, 2)
+    one = evaluate(profile(halo=1.0), Machine.uniform(4, 4, intra=inter, inter=inter), 2, 1,
+                   (2, 1, 1), 1, 2)
+    assert p.halo == pytest.approx(one.halo) and p.halo[0] > 0

@@ -56,6 +56,16 @@ same sum, up to rounding); (2) least bottleneck; (3) lexicographically smallest 
 first stage as short as possible), found by walking forward from stage 0 and taking the
 smallest ``j`` that attains ``G_T`` (compared exactly).
 
+Tails. The planner's step also pays, once per step after the pipeline, each stage's gradient
+all-reduce and optimizer update; the stages do them at once, so the step adds the largest of
+each. ``partition_stages(..., tails=[a, u])`` minimises ``pipeline step + sum_k max_s
+tail_k[s, i_s, j_s]``, exactly: with thresholds ``A_k`` on the tails, the least pipeline step
+among splits whose every stage keeps ``tail_k <= A_k`` (the DP above, on ``f`` set to inf
+elsewhere), plus ``sum_k A_k``, is minimised over the tails' values ``A_k``. Thresholds are
+tried in increasing order and cut off where ``P0 + sum_k A_k`` (``P0`` the unconstrained
+pipeline optimum, which no threshold lowers) reaches the best step found, so a split whose
+tails are small costs one or a few DPs; the unconstrained optimum keeps ties.
+
 Worked example (the snippet above, 8 micro-batches; no transfers, no memory limit). Stage 1
 (speed 0.5) on blocks ``[i, 4)`` costs ``f_1 = 8, 6, 4`` for ``i = 1, 2, 3``, so ``H(1, i) = 8, 6,
 4``; ``H(0, 0) = min(max(4, 8), max(5, 6), max(6, 4)) = 6``. Both ``j = 2`` (times 5, 6) and ``j =
@@ -80,7 +90,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -93,7 +103,7 @@ InflightFn = Callable[[int, int, int], int]
 #: Step times within this relative distance of the least are ties (the same times summed in
 #: another order differ in their last bits): the least bottleneck among them wins.
 STEP_RTOL = 1e-9
-LinkSpec = Union[Link, Sequence[Link], Callable[["Device", "Device"], Link]]
+LinkSpec = Union[Link, Sequence[Union[Link, Sequence[Link]]], Callable[["Device", "Device"], Link]]
 
 
 class PartitionError(ValueError):
@@ -207,10 +217,11 @@ def _check_inputs(blocks: Sequence[Block], devices: Sequence[Device], microbatch
                              f"split the model into more blocks")
 
 
-def _links(link: LinkSpec, devices: Sequence[Device]) -> list[Link]:
+def _links(link: LinkSpec, devices: Sequence[Device]) -> list[tuple[Link, ...]]:
+    """Per stage pair, the links its messages may take (one, or several whose slowest rules)."""
     n = len(devices) - 1
     if isinstance(link, Link):
-        out = [link] * n
+        out: list[Any] = [link] * n
     elif callable(link):
         out = [link(devices[s], devices[s + 1]) for s in range(n)]
     else:
@@ -218,10 +229,12 @@ def _links(link: LinkSpec, devices: Sequence[Device]) -> list[Link]:
         if len(out) != n:
             raise PartitionError(f"link has {len(out)} entries; {len(devices)} stages need "
                                  f"{n} (one per pair of consecutive stages)")
-    for s, ln in enumerate(out):
-        if not isinstance(ln, Link):
-            raise PartitionError(f"link for stages {s}-{s + 1} is {ln!r}; it must be a Link")
-    return out
+    pairs = [tuple(ln) if isinstance(ln, (list, tuple)) else (ln,) for ln in out]
+    for s, lns in enumerate(pairs):
+        if not lns or not all(isinstance(ln, Link) for ln in lns):
+            raise PartitionError(f"link for stages {s}-{s + 1} is {out[s]!r}; it must be a Link "
+                                 f"or a non-empty list of Links (the slowest is used)")
+    return pairs
 
 
 def _inflight(inflight: InflightFn, stages: int, m: int) -> list[int]:
@@ -314,25 +327,39 @@ def _best_bottleneck(f: np.ndarray, tstar: float, m: int, batch: int = 64) -> fl
             return float(ts[pick])
 
 
-def _solve(tab: _Tables, devices: Sequence[Device], order: tuple[int, ...], links: list[Link],
-           ks: list[int], m: int, extra: Optional[np.ndarray] = None) -> Optional[Partition]:
-    """The DP of the module docstring for one device order; None when nothing fits in memory."""
+def _stage_times(tab: _Tables, devices: Sequence[Device], links: list[tuple[Link, ...]],
+                 ks: list[int], extra: Optional[np.ndarray]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``[S, B + 1, B + 1]`` arrays of stage ``s`` on blocks ``[i, j)``: compute, transfer,
+    memory, and ``f`` (their time; inf for an empty stage or one over its device's memory)."""
     n, S = tab.n, len(devices)
-    lower = np.tril(np.ones((n + 1, n + 1), dtype=bool))       # j <= i: empty stage
     comp = np.empty((S, n + 1, n + 1))
     xfer = np.zeros((S, n + 1, n + 1))
     mem = np.empty((S, n + 1, n + 1))
+    cut = np.r_[0.0, tab.out]     # a cut before block i carries out_bytes[i - 1] (i > 0)
     for s, d in enumerate(devices):
         comp[s] = (tab.time if extra is None else tab.time + extra) / d.speed + tab.comm
-        if s > 0:   # cut before block i carries out_bytes[i - 1]; i = 0 is never used here
-            xfer[s] += (2 * (links[s - 1].alpha + links[s - 1].beta * np.r_[0.0, tab.out]))[:, None]
+        if s > 0:
+            xfer[s] += 2 * _send_seconds(links[s - 1], cut)[:, None]
         if s < S - 1:
-            xfer[s] += (2 * (links[s].alpha + links[s].beta * np.r_[0.0, tab.out]))[None, :]
+            xfer[s] += 2 * _send_seconds(links[s], cut)[None, :]
         mem[s] = tab.param + ks[s] * tab.act
     f = comp + xfer
-    f[:, lower] = np.inf
+    f[:, np.tril(np.ones((n + 1, n + 1), dtype=bool))] = np.inf     # j <= i: empty stage
     f[mem > np.array([d.memory for d in devices])[:, None, None]] = np.inf
+    return comp, xfer, mem, f
 
+
+def _send_seconds(links: tuple[Link, ...], nbytes: np.ndarray) -> np.ndarray:
+    """Seconds to send ``nbytes`` over the slowest of ``links`` for that size (a stage pair whose
+    rank pairs use different links moves at the pace of its slowest)."""
+    return np.max([ln.alpha + ln.beta * nbytes for ln in links], axis=0)
+
+
+def _pipeline_split(f: np.ndarray, m: int) -> Optional[tuple[float, list[int]]]:
+    """The DP of the module docstring on stage times ``f``: (least step, its bounds), None
+    when no split has finite times."""
+    S, n = f.shape[0], f.shape[1] - 1
     H = np.full(n + 1, np.inf)
     H[n] = 0.0
     for s in range(S - 1, -1, -1):
@@ -352,7 +379,76 @@ def _solve(tab: _Tables, devices: Sequence[Device], order: tuple[int, ...], link
     for s in range(S):
         i = int(choice[s][i])
         bounds.append(i)
-    idx = [(s, bounds[s], bounds[s + 1]) for s in range(S)]
+    return float(G[0]) + (m - 1) * limit, bounds
+
+
+def _least_max(t: np.ndarray, feasible: np.ndarray) -> float:
+    """The least ``max_s t[s, i_s, j_s]`` over splits using only ``feasible`` stages."""
+    S, n = t.shape[0], t.shape[1] - 1
+    H = np.full(n + 1, np.inf)
+    H[n] = 0.0
+    for s in range(S - 1, -1, -1):
+        H = np.min(np.maximum(np.where(feasible[s], t[s], np.inf), H[None, :]), axis=1)
+    return float(H[0])
+
+
+def _split_with_tails(f: np.ndarray, m: int, tails: Sequence[np.ndarray]
+                      ) -> Optional[list[int]]:
+    """The bounds with the least ``pipeline step + sum_k max_s tails[k][s, i_s, j_s]`` (module
+    docstring, "Tails"); None when no split has finite times."""
+    base = _pipeline_split(f, m)
+    if base is None or not tails:
+        return None if base is None else base[1]
+    S = f.shape[0]
+
+    def total(bounds: list[int]) -> float:
+        idx = (np.arange(S), bounds[:-1], bounds[1:])
+        times = f[idx]
+        return float(times.sum() + (m - 1) * times.max() + sum(t[idx].max() for t in tails))
+
+    feasible = np.isfinite(f)
+    p0, best_bounds = base
+    best = total(best_bounds)
+    low = [_least_max(t, feasible) for t in tails]
+    values = [np.unique(t[feasible]) for t in tails]
+    K = len(tails)
+
+    def visit(k: int, allowed: np.ndarray, spent: float, floor: float) -> None:
+        # floor: the least pipeline step under `allowed` (tails k.. unconstrained)
+        nonlocal best, best_bounds
+        if floor + spent + sum(low[k:]) >= best * (1 - STEP_RTOL):
+            return
+        if k == K:
+            got = _pipeline_split(np.where(allowed, f, np.inf), m)
+            if got is not None and total(got[1]) < best * (1 - STEP_RTOL):
+                best, best_bounds = total(got[1]), got[1]
+            return
+        for a in values[k][values[k] >= low[k]]:
+            a = float(a)
+            if p0 + spent + a + sum(low[k + 1:]) >= best * (1 - STEP_RTOL):
+                break                                  # every larger threshold costs more
+            within = allowed & (tails[k] <= a)
+            got = _pipeline_split(np.where(within, f, np.inf), m)
+            if got is None:
+                continue
+            visit(k + 1, within, spent + a, got[0])
+            if k == K - 1 and got[0] <= floor * (1 + STEP_RTOL):
+                break                  # the pipeline is as short as it gets: raising a adds only
+
+    visit(0, feasible, 0.0, p0)
+    return best_bounds
+
+
+def _solve(tab: _Tables, devices: Sequence[Device], order: tuple[int, ...],
+           links: list[tuple[Link, ...]], ks: list[int], m: int,
+           extra: Optional[np.ndarray] = None, tails: Sequence[np.ndarray] = ()
+           ) -> Optional[Partition]:
+    """The DP of the module docstring for one device order; None when nothing fits in memory."""
+    comp, xfer, mem, f = _stage_times(tab, devices, links, ks, extra)
+    bounds = _split_with_tails(f, m, tails)
+    if bounds is None:
+        return None
+    idx = [(s, bounds[s], bounds[s + 1]) for s in range(len(devices))]
     return Partition(bounds=tuple(bounds), order=order, devices=tuple(devices),
                      compute=tuple(float(comp[t]) for t in idx),
                      transfer=tuple(float(xfer[t]) for t in idx),
@@ -392,21 +488,33 @@ def _infeasible(blocks: Sequence[Block], devices: Sequence[Device], ks_of: Calla
 def partition_stages(blocks: Sequence[Block], devices: Sequence[Device],
                      link: LinkSpec = Link(), microbatches: int = 1,
                      inflight: InflightFn = inflight_1f1b,
-                     extra: Optional[np.ndarray] = None) -> Partition:
+                     extra: Optional[np.ndarray] = None,
+                     tails: Sequence[np.ndarray] = ()) -> Partition:
     """The contiguous split of ``blocks`` over ``devices``, in their order, with the least
-    pipeline step time (exact; the module docstring has the model and the tie-breaks).
+    pipeline step time, plus ``tails`` (exact; the module docstring has the model and the
+    tie-breaks).
 
     link: one :class:`Link` for every stage pair, a list of ``S - 1`` (pair ``s`` joins stages
-    ``s`` and ``s + 1``), or a function ``(Device, Device) -> Link``. microbatches: ``m``.
+    ``s`` and ``s + 1``; an entry may be a list of Links, of which each message takes the
+    slowest), or a function ``(Device, Device) -> Link``. microbatches: ``m``.
     inflight: ``(stage, stages, m) -> k_s``. extra: ``[B + 1, B + 1]`` seconds a stage over
-    blocks ``[i, j)`` adds (module docstring). Raises :class:`PartitionError` on invalid input or
-    when no split fits in memory.
+    blocks ``[i, j)`` adds (module docstring). tails: ``[S, B + 1, B + 1]`` seconds, once per
+    step, of stage ``s`` on blocks ``[i, j)`` (the gradient all-reduce, the optimizer update):
+    the step adds each tail's largest stage (module docstring, "Tails"). Raises
+    :class:`PartitionError` on invalid input or when no split fits in memory.
     """
     _check_inputs(blocks, devices, microbatches)
     m, S = int(microbatches), len(devices)
     ks = _inflight(inflight, S, m)
+    shape = (S, len(blocks) + 1, len(blocks) + 1)
+    tails = [np.asarray(t, dtype=np.float64) for t in tails]
+    for k, t in enumerate(tails):
+        if t.shape != shape or np.isnan(t).any() or (t < 0).any():
+            raise PartitionError(f"tails[{k}] must be a {list(shape)} array of seconds >= 0 "
+                                 f"(entry [s, i, j]: stage s on blocks i..j-1); got shape "
+                                 f"{list(t.shape)}")
     p = _solve(_Tables(blocks), devices, tuple(range(S)), _links(link, devices), ks, m,
-               None if extra is None else _extra(extra, len(blocks)))
+               None if extra is None else _extra(extra, len(blocks)), tails)
     if p is None:
         raise _infeasible(blocks, devices, lambda s: ks[s], any_order=False)
     return p

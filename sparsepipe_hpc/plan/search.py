@@ -20,8 +20,8 @@ Predicted step time of a candidate (every term in seconds; formulas in
     block b         time_b = fwd_b(v) + bwd_b(v)
                     + [G > 1] split_b(v, surface_voxels(V, E, grid))   (halo plans, maps and
                     halo pairs; :mod:`sparsepipe_hpc.plan.split`), at the device's speed;
-                    comm_b = halo_time(halo_bytes(h_b, V, E, grid)), the link's time on any
-                    device
+                    comm_b = halo_time(halo_bytes(h_b, V, E, grid)) on the slowest spatial
+                    group's link for it (inter-node where a group crosses nodes), on any device
     stage [i, j)    + the kernel maps made before block i that it uses, rebuilt once per
                     micro-batch (ModelProfile.rebuild_costs at v voxels; pipelines only)
                     out_bytes_b(V) * share, act_bytes_b(v), param_bytes_b * optimizer_factor
@@ -29,9 +29,10 @@ Predicted step time of a candidate (every term in seconds; formulas in
                     core_share(busy) = min(1, cores / busy) of its speed, busy = the plan's
                     ranks on the most crowded node * (1 - bubble_fraction(S, m)): ranks that
                     wait in the pipeline bubble yield their core (Machine.core_share)
-    partition       the split with the least pipeline step time (partition_stages, exact) over
-                    the S stage devices with the stage links and the schedule's in-flight
-                    micro-batches
+    partition       the split with the least step time below (partition_stages, exact, its
+                    all-reduce and update as tails) over the S stage devices with the stage
+                    links (each cut's message at its slowest rank pair's pace) and the
+                    schedule's in-flight micro-batches
     step            sum_s t_s + (m - 1) max_s t_s + max_s ring_allreduce(params_s, R * G ranks)
                     + max_s update_s / speed_s    (the optimizer step, once per step)
 
@@ -57,6 +58,9 @@ from sparsepipe_hpc.plan.machine import Machine
 from sparsepipe_hpc.plan.partition import (Block, Device, PartitionError, inflight_1f1b,
                                            inflight_gpipe, partition_stages)
 from sparsepipe_hpc.plan.profile import ModelProfile
+
+#: The pipeline schedules, by the trainer's --pipeline-schedule name: micro-batches in flight.
+SCHEDULES = {"1f1b": inflight_1f1b, "gpipe": inflight_gpipe}
 
 __all__ = ["Plan", "SearchResult", "SearchError", "search", "evaluate", "grids", "divisors"]
 
@@ -184,26 +188,29 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
                            memory=min(d.memory for d in members), node=members[0].node,
                            name=f"stage {s}"))
         if s + 1 < stages:
-            pair = [machine.link(machine.devices[rank(r, s, i)], machine.devices[rank(r, s + 1, i)])
-                    for r in range(replicas) for i in range(G)]
-            links.append(max(pair, key=lambda ln: (ln.beta, ln.alpha)))
+            # Every rank pair of the cut moves at once: each message at the slowest pair's pace
+            # for its size (a link with less latency may have less bandwidth).
+            links.append(tuple(dict.fromkeys(
+                machine.link(machine.devices[rank(r, s, i)], machine.devices[rank(r, s + 1, i)])
+                for r in range(replicas) for i in range(G))))
     group_links = []
     for s in range(stages):
         group_links.append(machine.group_link([rank(r, s, i) for r in range(replicas)
                                                for i in range(G)]))
-    spatial_link = max((machine.group_link([rank(r, s, i) for i in range(G)])
-                        for r in range(replicas) for s in range(stages)),
-                       key=lambda ln: (ln.beta, ln.alpha))
+    spatial_links = set(machine.group_link([rank(r, s, i) for i in range(G)])
+                        for r in range(replicas) for s in range(stages))
     factor = OPTIMIZER_FACTOR[optimizer]
-    halos = [halo_time(halo_bytes(b.halo, V, ext, g), b.exchanges, g, spatial_link)
-             for b in profile.blocks]
+    halos = [max(halo_time(halo_bytes(b.halo, V, ext, g), b.exchanges, g, ln)
+                 for ln in spatial_links) for b in profile.blocks]
     surface = surface_voxels(V, ext, g)
     splits = [b.split(v, surface) if G > 1 else 0.0 for b in profile.blocks]
     blocks = [Block(time=b.time(v) + x, out_bytes=b.out_bytes(V) * share,
                     param_bytes=b.param_bytes * factor, act_bytes=b.act_bytes(v), name=b.name,
                     comm=h)
               for b, h, x in zip(profile.blocks, halos, splits)]
-    inflight = inflight_gpipe if schedule == "gpipe" else inflight_1f1b
+    if schedule not in SCHEDULES:
+        raise SearchError(f"schedule {schedule!r} must be one of {list(SCHEDULES)}")
+    inflight = SCHEDULES[schedule]
     rebuild = profile.rebuild_costs(v) if stages > 1 else None
     if balance is not None:
         if len(balance) != stages or sum(balance) != len(blocks) or min(balance) < 1:
@@ -225,7 +232,14 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
         halo_s = [sum(halos[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         split_s = [sum(splits[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     else:
-        p = partition_stages(blocks, devs, links or Link(), micro_batches, inflight, rebuild)
+        # The once-per-step tails of a stage on blocks [i, j): its all-reduce and its update.
+        params = _segment_sums([b.param_bytes for b in profile.blocks])
+        updates = _segment_sums([b.update for b in profile.blocks])
+        tails = [np.stack([[[ring_allreduce_time(w, replicas * G, ln) for w in row]
+                            for row in params] for ln in group_links]),
+                 np.stack([updates / d.speed for d in devs])]
+        p = partition_stages(blocks, devs, links or Link(), micro_batches, inflight, rebuild,
+                             tails=tails if stages > 1 else ())
         bal = tuple(b - a for a, b in zip(p.bounds[:-1], p.bounds[1:]))
         halo_s = [sum(halos[a:b]) for a, b in zip(p.bounds[:-1], p.bounds[1:])]
         split_s = [sum(splits[a:b]) for a, b in zip(p.bounds[:-1], p.bounds[1:])]
@@ -245,6 +259,12 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
                 split=tuple(x / d.speed for x, d in zip(split_s, devs)), core_share=core)
 
 
+def _segment_sums(x: Sequence[float]) -> np.ndarray:
+    """[B] -> [B + 1, B + 1]: entry [i, j] = sum(x[i:j]) for j > i, else 0."""
+    cum = np.r_[0.0, np.cumsum(x)]
+    return np.maximum(cum[None, :] - cum[:, None], 0.0)
+
+
 def search(profile: ModelProfile, machine: Machine, batch_size: int,
            ranks: Optional[int] = None, schedule: str = "1f1b", imbalance: float = 1.0,
            optimizer: str = "adamw", max_micro_batches: Optional[int] = None,
@@ -261,6 +281,8 @@ def search(profile: ModelProfile, machine: Machine, batch_size: int,
         raise SearchError(f"batch_size is {batch_size}; it must be >= 1")
     if optimizer not in OPTIMIZER_FACTOR:
         raise SearchError(f"optimizer {optimizer!r} must be one of {sorted(OPTIMIZER_FACTOR)}")
+    if schedule not in SCHEDULES:
+        raise SearchError(f"schedule {schedule!r} must be one of {list(SCHEDULES)}")
     fixed = dict(fixed or {})
     if fixed.get("balance") is not None:  # a fixed partition fixes the stage count
         nb = len(fixed["balance"])
