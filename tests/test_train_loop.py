@@ -181,7 +181,7 @@ def test_a_nan_loss_stops_the_run_before_a_checkpoint_keeps_it(data, tmp_path, m
     real = trainer.train_step
     monkeypatch.setattr(trainer, "train_step", lambda indices, epoch: real(indices, epoch)
                         if trainer.step == 0 else (float("nan"), 1))
-    if precision == "fp16":  # (no fp16 on the CPU: the scaler's skip is taken as given)
+    if precision == "fp16":  # (the scaler's skip is taken as given)
         monkeypatch.setattr(trainer.precision, "scaler", object())  # only its presence is read
         monkeypatch.setattr(trainer, "train_step", lambda indices, epoch: (float("nan"), 1))
         monkeypatch.setattr(trainer, "save_checkpoint", lambda: None)
@@ -196,6 +196,35 @@ def test_a_nan_loss_stops_the_run_before_a_checkpoint_keeps_it(data, tmp_path, m
     saved = torch.load(tmp_path / "o" / "last.pt", weights_only=False)
     assert saved["step"] == 1
     assert all(torch.isfinite(v).all() for v in saved["model"].values() if v.is_floating_point())
+
+
+def test_a_step_fp16_skips_leaves_batchnorms_statistics_as_they_were(data, tmp_path):
+    """A forward that overflows float16 (step 2's features x 1e5) makes the loss scaler skip the
+    step; BatchNorm had already folded its inf/NaN batch statistics into the running ones, so
+    evaluation saw NaN logits everywhere (and a high accuracy from argmax of NaN) while
+    training went on. A skipped step now changes nothing: weights and buffers as after step 1."""
+    trainer = Trainer(tiny(data, tmp_path / "o", "--steps", "2", "--precision", "fp16",
+                           "--eval-every", "0"), MPI.COMM_SELF, log=None)
+    real, after_first = trainer._forward, {}
+
+    def forward(batch):
+        if trainer.step == 1:
+            after_first.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+            batch = dataclasses.replace(batch, x=batch.x.replace(feats=batch.x.feats * 1e5))
+        return real(batch)
+
+    trainer._forward = forward
+    trainer.run()
+    assert losses(tmp_path / "o")[1] is None          # step 2's loss overflowed: skipped
+    assert trainer.precision.skipped
+    state = trainer.model.state_dict()
+    assert any("running_mean" in k for k in state)
+    for k, v in state.items():
+        assert torch.equal(v, after_first[k]), k
+    trainer.model.eval()
+    logits, _ = trainer._eval_logits(trainer._batch(trainer.val_set, [0], None))
+    assert torch.isfinite(logits).all()
+    trainer.close()
 
 
 def test_resume_on_other_training_data_is_refused(data, tmp_path):

@@ -159,6 +159,7 @@ class Precision:
         self.dtype = precision_dtype(name)
         self.name, self.device = name, device
         self.scaler: Optional[torch.amp.GradScaler] = None
+        self.skipped = False   # whether the last step() skipped the update (fp16 only)
         if name == "fp16":
             self.scaler = (torch.amp.GradScaler(device.type) if comm is None
                            else AgreedGradScaler(device, comm))
@@ -181,13 +182,34 @@ class Precision:
         self.scale_loss(loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Optimizer step on (all-reduced) gradients: unscaled and skipped on inf/NaN for fp16."""
+        """Optimizer step on (all-reduced) gradients: unscaled and skipped on inf/NaN for fp16
+        (``self.skipped`` says which)."""
         if self.scaler is None:
             optimizer.step()
             return
         self.scaler.unscale_(optimizer)  # here, so fused optimizers see the agreed verdict too
+        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        self.skipped = any(float(v.item()) > 0 for v in found.values())
         self.scaler.step(optimizer)
         self.scaler.update()
+
+    @contextlib.contextmanager
+    def skippable(self, module: torch.nn.Module) -> Iterator[None]:
+        """A training step of ``module`` that, when fp16's loss scaler skips it, leaves the
+        module's buffers as they were, not only its weights: a forward that overflowed float16
+        has already folded inf/NaN batch statistics into BatchNorm's running statistics, which
+        no later step washes out (evaluation would then see NaN everywhere). Every rank skips
+        together (the verdict is agreed), so every rank restores together. No-op but fp16."""
+        if self.scaler is None:
+            yield
+            return
+        kept = [(b, b.detach().clone()) for b in module.buffers()]
+        self.skipped = False
+        yield
+        if self.skipped:
+            with torch.no_grad():
+                for b, saved in kept:
+                    b.copy_(saved)
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         return self.scaler.state_dict() if self.scaler is not None else None

@@ -357,16 +357,8 @@ class Trainer:
         self.model.train()
         batch = self._train_batch(indices, epoch)
         try:
-            if self.pipe is not None:
-                share, n_local = pipeline_step(
-                    self.pipe, self.ctx, batch, seg=self.seg, stride=self.stride,
-                    batch_size=self.cfg.batch_size, optimizer=self.optimizer,
-                    reducer=self.reducer, params=self.train_params, precision=self.precision)
-            else:
-                share, n_local = plain_step(
-                    self._forward, batch, ctx=self.ctx, seg=self.seg,
-                    batch_size=self.cfg.batch_size, model=self.model, optimizer=self.optimizer,
-                    reducer=self.reducer, precision=self.precision)
+            with self.precision.skippable(self.model):  # fp16: a skipped step keeps BN's stats
+                share, n_local = self._step(batch)
         except BatchNormError as e:
             why = (f"step {self.step + 1}: {e}; its samples (training split indices "
                    f"{sorted(int(i) for i in indices)}"
@@ -381,6 +373,18 @@ class Trainer:
             raise SetupError(why) from None
         self.scheduler.step()
         return share, n_local
+
+    def _step(self, batch: Any) -> tuple[torch.Tensor, int]:
+        """The step on ``batch``, pipelined or plain: (my loss share, my voxels)."""
+        if self.pipe is not None:
+            return pipeline_step(
+                self.pipe, self.ctx, batch, seg=self.seg, stride=self.stride,
+                batch_size=self.cfg.batch_size, optimizer=self.optimizer,
+                reducer=self.reducer, params=self.train_params, precision=self.precision)
+        return plain_step(
+            self._forward, batch, ctx=self.ctx, seg=self.seg,
+            batch_size=self.cfg.batch_size, model=self.model, optimizer=self.optimizer,
+            reducer=self.reducer, precision=self.precision)
 
     def _eval_logits(self, batch: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """(logits, labels) of a validation batch; pipelined: on the last stage, else None."""
@@ -554,7 +558,7 @@ class Trainer:
                    "--warmup, or look for NaN or inf in the data's features")
         elif self._non_finite >= MAX_SKIPPED_STEPS:
             why = (f"step {self.step}: the training loss was NaN or inf for {self._non_finite} "
-                   f"steps in a row under --precision fp16 (the loss scaler skipped each update: "
+                   f"steps in a row under --precision fp16 (the loss scaler skipped each step: "
                    f"the weights are finite, {kept}); the forward pass itself overflows float16: "
                    f"try --precision bf16 or fp32, a lower --lr, or look for NaN or inf in the data")
         else:
