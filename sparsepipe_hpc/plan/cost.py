@@ -19,9 +19,15 @@ micro-batch's forward + backward on stage ``s``, transfers included; bottleneck 
   an ``S``-machine flow shop: the first micro-batch crosses every stage once (``sum_s t_s``), and
   each further one leaves the bottleneck ``T`` after the previous one. Exact for a flow shop (one
   pass per job, a stage works on one job at a time, unbounded buffers, fixed per-job times); for a
-  forward + backward pipeline it is the standard approximation, exact when every stage's backward
-  takes the same multiple of its forward, and it equals the uniform formula when all ``t_s = T``.
-  It is never larger than the uniform one, so it is the tighter of the two.
+  forward + backward pipeline it is the standard approximation: exact for GPipe when every
+  stage's backward takes the same multiple of its forward, and for 1F1B when the stages are
+  equal or the bottleneck is the last stage. Where an earlier stage is the bottleneck, 1F1B
+  hides later stages' fill and drain behind its own work and the formula over-charges it (by
+  24% for stage times 3, 1, 1 and 3 micro-batches against the schedule's simulation,
+  :func:`sparsepipe_hpc.pipeline.simulate`), so a 1F1B split the planner picks by it may be
+  slower than the best (seen up to ~15% on random 3-5-block cases; balanced splits, which the
+  search prefers, are close to exact). It equals the uniform formula when all ``t_s = T`` and is
+  never larger, so it is the tighter of the two.
 * ``ring_allreduce_time``: ``2 (r - 1) / r * bytes * beta + 2 (r - 1) * alpha`` for ``r`` replicas
   (a reduce-scatter and an all-gather of ``r - 1`` steps each, every step moving ``bytes / r``;
   Thakur, Rabenseifner & Gropp, 2005). Zero for one replica.
