@@ -233,3 +233,18 @@ def test_a_group_across_nodes_pays_the_slower_link_for_its_messages():
     one = evaluate(profile(halo=1.0), Machine.uniform(4, 4, intra=inter, inter=inter), 2, 1,
                    (2, 1, 1), 1, 2)
     assert p.halo == pytest.approx(one.halo) and p.halo[0] > 0
+
+
+def test_a_pipelines_step_is_its_schedules_simulated_time():
+    """Stage times 9, 3, 3 (forward a third) over 3 micro-batches: GPipe takes the flow-shop
+    formula's 9 + 3 + 3 + 2 x 9 = 33 s, 1F1B hides the later stages behind the first's work:
+    27 s, the first stage busy throughout (the formula said 33)."""
+    blocks = tuple(BlockProfile(name=f"b{k}", forward=Fit(0.0, t / 1000),
+                                backward=Fit(0.0, 2 * t / 1000), act_bytes=Fit(0.0, 0.0),
+                                out_bytes=Fit(0.0, 0.0), param_bytes=0.0)
+                   for k, t in enumerate((3.0, 1.0, 1.0)))
+    prof = ModelProfile("toy", "cpu", blocks, 1000.0, (64, 64, 64), 8, 3)
+    m = Machine.uniform(3, 3, intra=Link(), inter=Link())
+    steps = {kind: evaluate(prof, m, 1, 3, (1, 1, 1), 3, 3, schedule=kind).step_time
+             for kind in ("gpipe", "1f1b")}
+    assert steps == pytest.approx({"gpipe": 33.0, "1f1b": 27.0})

@@ -23,11 +23,12 @@ micro-batch's forward + backward on stage ``s``, transfers included; bottleneck 
   stage's backward takes the same multiple of its forward, and for 1F1B when the stages are
   equal or the bottleneck is the last stage. Where an earlier stage is the bottleneck, 1F1B
   hides later stages' fill and drain behind its own work and the formula over-charges it (by
-  24% for stage times 3, 1, 1 and 3 micro-batches against the schedule's simulation,
-  :func:`sparsepipe_hpc.pipeline.simulate`), so a 1F1B split the planner picks by it may be
-  slower than the best (seen up to ~15% on random 3-5-block cases; balanced splits, which the
-  search prefers, are close to exact). It equals the uniform formula when all ``t_s = T`` and is
-  never larger, so it is the tighter of the two.
+  22% for stage times 9, 3, 3, a third forward, and 3 micro-batches: 33 s against the
+  schedule's simulated 27 s, :func:`sparsepipe_hpc.pipeline.simulate`; never under it), so a
+  1F1B split found by it may be slower than the best (seen up to ~15% on random 3-5-block
+  cases; balanced splits are close to exact). The search reports the simulated time of the
+  split it found (:func:`sparsepipe_hpc.plan.search.simulated_pipeline`). The formula equals
+  the uniform one when all ``t_s = T`` and is never larger, so it is the tighter of the two.
 * ``ring_allreduce_time``: ``2 (r - 1) / r * bytes * beta + 2 (r - 1) * alpha`` for ``r`` replicas
   (a reduce-scatter and an all-gather of ``r - 1`` steps each, every step moving ``bytes / r``;
   Thakur, Rabenseifner & Gropp, 2005). Zero for one replica.

@@ -33,8 +33,12 @@ Predicted step time of a candidate (every term in seconds; formulas in
                     all-reduce and update as tails) over the S stage devices with the stage
                     links (each cut's message at its slowest rank pair's pace) and the
                     schedule's in-flight micro-batches
-    step            sum_s t_s + (m - 1) max_s t_s + max_s ring_allreduce(params_s, R * G ranks)
-                    + max_s update_s / speed_s    (the optimizer step, once per step)
+    step            pipeline + max_s ring_allreduce(params_s, R * G ranks)
+                    + max_s update_s / speed_s    (the optimizer step, once per step), the
+                    pipeline being sum_s t_s + (m - 1) max_s t_s for the split's search
+                    (partition_stages) and, for the plan's figure, the schedule's simulated
+                    time of those stage times (simulated_pipeline: 1F1B hides what the
+                    formula charges where an earlier stage is the bottleneck)
 
 Candidates: every ``R * S * G == ranks`` with ``S <= blocks``, every grid of ``G`` whose boxes
 hold one stride block each (``g_a <= E_a / total_stride``), every ``m`` in
@@ -55,14 +59,15 @@ from sparsepipe_hpc.plan.cost import (OPTIMIZER_FACTOR, Link, bubble_fraction, h
                                       halo_time, largest_share, ring_allreduce_time,
                                       surface_voxels)
 from sparsepipe_hpc.plan.machine import Machine
-from sparsepipe_hpc.plan.partition import (Block, Device, PartitionError, inflight_1f1b,
-                                           inflight_gpipe, partition_stages)
+from sparsepipe_hpc.plan.partition import (Block, Device, Partition, PartitionError,
+                                           inflight_1f1b, inflight_gpipe, partition_stages)
 from sparsepipe_hpc.plan.profile import ModelProfile
 
 #: The pipeline schedules, by the trainer's --pipeline-schedule name: micro-batches in flight.
 SCHEDULES = {"1f1b": inflight_1f1b, "gpipe": inflight_gpipe}
 
-__all__ = ["Plan", "SearchResult", "SearchError", "search", "evaluate", "grids", "divisors"]
+__all__ = ["Plan", "SearchResult", "SearchError", "search", "evaluate", "grids", "divisors",
+           "simulated_pipeline"]
 
 
 class SearchError(ValueError):
@@ -249,14 +254,33 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
     ar = tuple(ring_allreduce_time(w, replicas * G, ln) for w, ln in zip(weights, group_links))
     upd = tuple(sum(b.update for b in profile.blocks[a:c]) / d.speed
                 for a, c, d in zip(bounds[:-1], bounds[1:], devs))
+    pipeline = p.step_time()
+    if stages > 1:
+        fwd = [sum(b.forward(v) for b in profile.blocks[a:c]) for a, c in zip(bounds, bounds[1:])]
+        both = [sum(b.time(v) for b in profile.blocks[a:c]) for a, c in zip(bounds, bounds[1:])]
+        pipeline = simulated_pipeline(p, [f / t if t > 0 else 0.5 for f, t in zip(fwd, both)],
+                                      schedule)
     return Plan(replicas=replicas, stages=stages, grid=g, micro_batches=micro_batches,
                 balance=bal, pipeline_schedule=schedule,
-                step_time=p.step_time() + max(ar) + max(upd), stage_times=p.times,
+                step_time=pipeline + max(ar) + max(upd), stage_times=p.times,
                 compute=tuple(c - h - x / d.speed
                               for c, h, x, d in zip(p.compute, halo_s, split_s, devs)),
                 transfer=p.transfer, halo=tuple(halo_s),
                 allreduce=ar, update=upd, memory=p.memory, voxels_per_rank=v,
                 split=tuple(x / d.speed for x, d in zip(split_s, devs)), core_share=core)
+
+
+def simulated_pipeline(p: Partition, forward_share: Sequence[float], schedule: str) -> float:
+    """Seconds of the pipeline part of a step: ``schedule``'s timeline of ``p``'s micro-batches
+    (:func:`sparsepipe_hpc.pipeline.simulate`), stage ``s`` taking ``forward_share[s]`` of its
+    compute forward and the rest backward, each half of its transfers. The formula the split
+    is found by (``p.step_time()``) over-charges 1F1B where an earlier stage is the bottleneck
+    (:mod:`sparsepipe_hpc.plan.cost`); this is the schedule's own time for that split."""
+    from sparsepipe_hpc.pipeline import make_schedule, simulate
+
+    fwd = [r * c + x / 2 for r, c, x in zip(forward_share, p.compute, p.transfer)]
+    bwd = [(1 - r) * c + x / 2 for r, c, x in zip(forward_share, p.compute, p.transfer)]
+    return simulate(make_schedule(schedule, len(p.times), p.microbatches), fwd, bwd).makespan
 
 
 def _segment_sums(x: Sequence[float]) -> np.ndarray:
