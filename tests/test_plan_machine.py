@@ -85,3 +85,13 @@ def test_a_measured_link_takes_its_latency_from_the_smallest_message():
     assert np.polyfit(sizes, secs, 1)[1] < 0                      # the old fit: latency 0
     link = _fit(sizes, secs)
     assert link.alpha == 3e-6 and link.beta > 0
+
+
+def test_a_measured_link_never_has_infinite_bandwidth():
+    """The small messages ran slow on a loaded machine: the slope is negative, and beta was 0
+    (free bytes; a planner then moves everything). Its seconds per byte bound it instead."""
+    from sparsepipe_hpc.plan.machine import _fit
+
+    sizes, secs = [8, 1 << 20, 1 << 21], [3e-4, 2e-4, 1e-4]
+    assert np.polyfit(sizes, secs, 1)[0] < 0
+    assert _fit(sizes, secs).beta == pytest.approx(1e-4 / (1 << 21))

@@ -227,6 +227,32 @@ def test_a_step_fp16_skips_leaves_batchnorms_statistics_as_they_were(data, tmp_p
     trainer.close()
 
 
+def test_a_library_trainer_resolves_plan_auto_once(data, tmp_path, monkeypatch):
+    """Trainer(cfg) with --plan auto applies the planner's layout (it trained the options as
+    given, silently); a cfg auto_plan has resolved already is not planned again."""
+    import functools
+    import types
+
+    import sparsepipe_hpc.plan.auto as auto
+    calls = []
+
+    def plan_for_config(cfg, world_size, data_dir, **kw):
+        calls.append(world_size)
+        return types.SimpleNamespace(replicas=1, stages=1, grid=(1, 1, 1), micro_batches=2,
+                                     balance=(), ranks=1, step_time=1.0,
+                                     trainer_args=functools.partial(list, ["--micro-batches",
+                                                                           "2"]))
+
+    monkeypatch.setattr(auto, "plan_for_config", plan_for_config)
+    cfg = tiny(data, tmp_path / "o", "--steps", "1", "--plan", "auto")
+    trainer = Trainer(cfg, MPI.COMM_SELF, log=None)
+    assert calls == [1] and trainer.cfg.micro_batches == 2 and trainer.cfg.plan_ranks == 1
+    trainer.close()
+    resolved = auto.auto_plan(cfg, MPI.COMM_SELF, log=None)
+    Trainer(resolved, MPI.COMM_SELF, log=None).close()
+    assert calls == [1, 1]       # auto_plan once more, the Trainer not again
+
+
 def test_resume_on_other_training_data_is_refused(data, tmp_path):
     """A resume continues the same run: the checkpoint records its training data (sample count,
     files and sizes, points per sample) and another data set of the same classes is refused by

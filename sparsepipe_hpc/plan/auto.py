@@ -74,7 +74,8 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3,
 
 
 def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
-    """``cfg`` with the layout of the best plan for ``comm``'s ranks. **Collective.**"""
+    """``cfg`` with the layout of the best plan for ``comm``'s ranks (and ``plan_ranks`` set:
+    resolved, so a second call returns it as it is). **Collective.**"""
     from mpi4py import MPI
 
     from launch.env import detect
@@ -83,7 +84,7 @@ def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
     from sparsepipe_hpc.train.agreement import agree
     from sparsepipe_hpc.train.device import resolve_device
 
-    if cfg.plan != "auto":
+    if cfg.plan != "auto" or cfg.plan_ranks is not None:   # not asked, or resolved already
         return cfg
     data_dir = Path(cfg.data) if cfg.data else default_data(cfg.task, comm=comm)
     rank0 = comm.Get_rank() == 0
@@ -104,5 +105,5 @@ def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
     changes = {"replicas": plan.replicas, "stages": plan.stages, "grid": plan.grid,
                "micro_batches": plan.micro_batches,
                "balance": ",".join(map(str, plan.balance)) if plan.stages > 1 else cfg.balance}
-    return dataclasses.replace(cfg, **{k: v for k, v in changes.items()
-                                       if k not in cfg.plan_fixed})
+    return dataclasses.replace(cfg, plan_ranks=comm.Get_size(),
+                               **{k: v for k, v in changes.items() if k not in cfg.plan_fixed})

@@ -248,10 +248,13 @@ def load_machine(path: Union[str, os.PathLike[str]], ranks: Optional[int] = None
 def _fit(sizes: Sequence[int], secs: Sequence[float]) -> Link:
     """alpha: the smallest message's one-way time, the latency as measured (a fitted intercept
     drowns in the large messages' noise: on a loaded machine it came out negative, so 0);
-    beta: the least-squares slope of time over bytes."""
+    beta: the least-squares slope of time over bytes, or where noise made it 0 or less (a
+    loaded machine), the largest message's seconds per byte: never an infinite bandwidth."""
     x, y = np.asarray(sizes, float), np.asarray(secs, float)
-    beta = np.polyfit(x, y, 1)[0]
-    return Link(alpha=float(y[np.argmin(x)]), beta=max(0.0, float(beta)))
+    beta = float(np.polyfit(x, y, 1)[0])
+    if not beta > 0:
+        beta = float(y[np.argmax(x)] / x.max())
+    return Link(alpha=float(y[np.argmin(x)]), beta=beta)
 
 
 def _pingpong(comm: Any, a: int, b: int, sizes: Sequence[int], repeats: int) -> list[float]:

@@ -108,7 +108,7 @@ class TrainConfig:
     progress: bool = True
     config: Optional[str] = None
     plan: Optional[str] = None
-    plan_ranks: Optional[int] = None       # the ranks a --plan FILE was made for
+    plan_ranks: Optional[int] = None       # the ranks a --plan FILE (or auto, resolved) is for
     plan_fixed: tuple[str, ...] = ()       # --plan auto: layout options the user set
     defaulted: tuple[str, ...] = ()        # the task defaults used (options not set)
 

@@ -107,9 +107,9 @@ class Trainer:
     ``should_stop``: polled at every step boundary (default: :func:`launch.run.stop_requested`,
     raised by SIGTERM); when it is true on any rank, every rank checkpoints and stops.
     ``log``: where rank 0's messages go (None: quiet). Sets torch's thread count to
-    ``--threads`` (or the device's default, :func:`~.device.compute_threads`). ``--plan auto`` is
-    the caller's to resolve first (:func:`sparsepipe_hpc.plan.auto.auto_plan`, as
-    ``python -m sparsepipe_hpc.train`` does); unresolved, the layout options as given are used.
+    ``--threads`` (or the device's default, :func:`~.device.compute_threads`). Resolves
+    ``--plan auto`` where the caller has not (:func:`sparsepipe_hpc.plan.auto.auto_plan`: rank 0
+    profiles the model on the data; ``self.cfg`` holds the layout it picked).
     """
 
     def __init__(self, cfg: TrainConfig, comm: Any = None, *,
@@ -121,9 +121,12 @@ class Trainer:
         if should_stop is None:
             from launch.run import stop_requested
             should_stop = stop_requested
+        torch.set_num_threads(compute_threads(cfg, comm))  # (--engine auto reads it)
+        if cfg.plan == "auto":  # on the threads that will train
+            from sparsepipe_hpc.plan.auto import auto_plan
+            cfg = auto_plan(cfg, comm, log)
         self.cfg, self.comm, self.should_stop = cfg, comm, should_stop
         self.layout = resolve_layout(cfg, comm.Get_size())
-        torch.set_num_threads(compute_threads(cfg, comm))  # (--engine auto reads it)
         self.is_root = comm.Get_rank() == 0
         self._log = log if self.is_root else None
         # --device, --precision (sparsepipe_hpc.train.device): a ConfigError on every rank when
