@@ -301,3 +301,18 @@ def test_nccl_available_reads_cupys_flag_not_the_import(monkeypatch, available):
             NCCLTransport(object(), SimDevice())
         with pytest.raises(TransportError, match="--transport nccl needs CuPy with NCCL"):
             choose_transport("nccl", "cuda", nccl=nccl_available())
+
+
+def test_every_transport_says_its_kind():
+    """A transport names itself as --transport does: the trainer's start line says by which
+    one the pipeline's stage transfers move where it is not the halos' (nccl)."""
+    from halo.transport.delay import DelayedTransport
+    from halo.transport.ipc import IPCTransport
+    from halo.transport.mpi import MPITransport
+    from halo.transport.nccl import NCCLTransport
+    from halo.transport.staged import StagedTransport
+
+    kinds = {cls.kind for cls in (MPITransport, StagedTransport, IPCTransport, NCCLTransport)}
+    assert kinds == {"mpi", "staged", "ipc", "nccl"}
+    from mpi4py import MPI
+    assert DelayedTransport(MPITransport(MPI.COMM_SELF), 0.0).kind == "mpi"

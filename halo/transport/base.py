@@ -53,7 +53,10 @@ class CompletedRequest(Request):
 
 
 class Transport(ABC):
-    """Moves tensors between ranks of one communicator (ranks are that communicator's)."""
+    """Moves tensors between ranks of one communicator (ranks are that communicator's).
+    ``kind``: its name as ``--transport`` says it ("mpi", "staged", "ipc", "nccl")."""
+
+    kind: str = ""
 
     @abstractmethod
     def start(self, sends: Peers, recvs: Peers, tag: int) -> Request:

@@ -45,6 +45,7 @@ class DelayedTransport(Transport):
         if seconds < 0:
             raise ValueError(f"DelayedTransport: seconds is {seconds}; it must be >= 0")
         self.inner = inner
+        self.kind = inner.kind
         self.seconds = float(seconds)
         self.tags = None if tags is None else frozenset(int(t) for t in tags)
         self.delayed = 0  # requests held back so far

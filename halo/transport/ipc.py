@@ -175,6 +175,8 @@ class IPCTransport(Transport):
     ``memory``: where the registered buffers live (default: CUDA IPC on a CUDA ``device``, shared
     memory on the CPU stand-in)."""
 
+    kind = "ipc"
+
     def __init__(self, comm: Any, device: Device, memory: Optional[IPCMemory] = None) -> None:
         # Communicators of its own (collective), one per kind of control message, so both carry
         # the caller's tags unchanged (no tag arithmetic past MPI_TAG_UB) apart from any other

@@ -62,6 +62,8 @@ class MPIRequest(Request):
 class MPITransport(Transport):
     """Point-to-point ``Irecv``/``Isend`` over ``comm`` on host tensors."""
 
+    kind = "mpi"
+
     def __init__(self, comm: MPI.Comm) -> None:
         self.comm = comm
 

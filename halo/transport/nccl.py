@@ -75,6 +75,8 @@ class NCCLTransport(Transport, Reducer):
     """NCCL over the ranks of the mpi4py communicator ``comm`` (one GPU per rank): point-to-point
     and all-reduce on one NCCL communicator and stream."""
 
+    kind = "nccl"
+
     def __init__(self, comm: Any, device: Device) -> None:
         if not nccl_available():
             raise TransportError("NCCLTransport needs CuPy with NCCL (cupy.cuda.nccl.available) "

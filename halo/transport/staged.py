@@ -112,6 +112,8 @@ class StagedRequest(Request):
 class StagedTransport(Transport):
     """``host`` (a host transport, e.g. MPITransport) behind pinned staging on ``device``."""
 
+    kind = "staged"
+
     def __init__(self, host: Transport, device: Device) -> None:
         self.host, self.device = host, device
         self.comm_stream = device.new_stream("comm")

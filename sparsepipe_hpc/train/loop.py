@@ -377,6 +377,15 @@ class Trainer:
         self.scheduler.step()
         return share, n_local
 
+    def _stage_transport_note(self) -> str:
+        """" (stage transfers K)" where the pipeline's payloads move by another transport than
+        the halos (``nccl`` matches calls in order on one stream, which stage messages do not
+        keep: see :mod:`sparsepipe_hpc.train.transport`)."""
+        if self.pipe is None:
+            return ""
+        kind = self.pipe.executor.link.transport.kind
+        return f" (stage transfers {kind})" if kind != self.transport else ""
+
     def _step(self, batch: Any) -> tuple[torch.Tensor, int]:
         """The step on ``batch``, pipelined or plain: (my loss share, my voxels)."""
         if self.pipe is not None:
@@ -461,7 +470,8 @@ class Trainer:
                   + (" (spconv has no bfloat16: its convolutions run in float32; fp16 runs its "
                      "fast kernels)" if cfg.precision == "bf16"
                      and get_engine(cfg.engine, self.device).name == "spconv" else "")
-                  + f"; transport {self.transport}" + ("; prefetch" if self.prefetch else "")
+                  + f"; transport {self.transport}" + self._stage_transport_note()
+                  + ("; prefetch" if self.prefetch else "")
                   + f"; out {self.out}"
                   + (f"; resumed at step {self.step}" if self.resumed_from else ""))
         bar = tqdm(total=self.total_steps, initial=self.step, desc=cfg.task, unit="step",
