@@ -64,9 +64,12 @@ def _per_stage(name: str, value: Times, stages: int) -> list[float]:
 
 
 def simulate(schedule: Schedule, fwd_time: Times = 1.0, bwd_time: Times = 1.0, *,
-             comm_time: float = 0.0, send_time: float = 0.0, step_time: float = 0.0) -> Timeline:
-    """Validate ``schedule`` and return its timeline under the modelled times."""
-    validate(schedule)
+             comm_time: float = 0.0, send_time: float = 0.0, step_time: float = 0.0,
+             check: bool = True) -> Timeline:
+    """Validate ``schedule`` (``check=False``: validated already, as a caller simulating one
+    schedule many times does) and return its timeline under the modelled times."""
+    if check:
+        validate(schedule)
     S = schedule.stages
     fwd, bwd = _per_stage("fwd_time", fwd_time, S), _per_stage("bwd_time", bwd_time, S)
     comm, send = _time("comm_time", comm_time), _time("send_time", send_time)

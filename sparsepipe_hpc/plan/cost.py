@@ -24,10 +24,12 @@ micro-batch's forward + backward on stage ``s``, transfers included; bottleneck 
   equal or the bottleneck is the last stage. Where an earlier stage is the bottleneck, 1F1B
   hides later stages' fill and drain behind its own work and the formula over-charges it (by
   22% for stage times 9, 3, 3, a third forward, and 3 micro-batches: 33 s against the
-  schedule's simulated 27 s, :func:`sparsepipe_hpc.pipeline.simulate`; never under it), so a
-  1F1B split found by it may be slower than the best (seen up to ~15% on random 3-5-block
-  cases; balanced splits are close to exact). The search reports the simulated time of the
-  split it found (:func:`sparsepipe_hpc.plan.search.simulated_pipeline`). The formula equals
+  schedule's simulated 27 s, :func:`sparsepipe_hpc.pipeline.simulate`). Where stages differ in
+  the share of their time spent forward, either schedule may also take longer than the formula
+  (10.5 s against 10 for 1F1B over forward 0.75, 2.25, 0.25 and backward 2.25, 0.75, 0.75 s, 2
+  micro-batches). So a split found by it may be slower than the best (seen up to ~15% on random
+  3-5-block cases; balanced splits are close to exact). The search reports the simulated time
+  of the split it found (:func:`sparsepipe_hpc.plan.search.simulated_pipeline`). The formula equals
   the uniform one when all ``t_s = T`` and is never larger, so it is the tighter of the two.
 * ``ring_allreduce_time``: ``2 (r - 1) / r * bytes * beta + 2 (r - 1) * alpha`` for ``r`` replicas
   (a reduce-scatter and an all-gather of ``r - 1`` steps each, every step moving ``bytes / r``;

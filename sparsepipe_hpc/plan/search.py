@@ -37,8 +37,9 @@ Predicted step time of a candidate (every term in seconds; formulas in
                     + max_s update_s / speed_s    (the optimizer step, once per step), the
                     pipeline being sum_s t_s + (m - 1) max_s t_s for the split's search
                     (partition_stages) and, for the plan's figure, the schedule's simulated
-                    time of those stage times (simulated_pipeline: 1F1B hides what the
-                    formula charges where an earlier stage is the bottleneck)
+                    time of those stage times, forward and backward apart
+                    (simulated_pipeline; the formula is exact only in special cases:
+                    sparsepipe_hpc.plan.cost)
 
 Candidates: every ``R * S * G == ranks`` with ``S <= blocks``, every grid of ``G`` whose boxes
 hold one stride block each (``g_a <= E_a / total_stride``), every ``m`` in
@@ -49,6 +50,7 @@ is the fastest; ties go to fewer stages, then fewer micro-batches, then more rep
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Optional, Sequence
@@ -240,8 +242,8 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
         # The once-per-step tails of a stage on blocks [i, j): its all-reduce and its update.
         params = _segment_sums([b.param_bytes for b in profile.blocks])
         updates = _segment_sums([b.update for b in profile.blocks])
-        tails = [np.stack([[[ring_allreduce_time(w, replicas * G, ln) for w in row]
-                            for row in params] for ln in group_links]),
+        tails = [np.stack([_ring_allreduce_times(params, replicas * G, ln)
+                           for ln in group_links]),
                  np.stack([updates / d.speed for d in devs])]
         p = partition_stages(blocks, devs, links or Link(), micro_batches, inflight, rebuild,
                              tails=tails if stages > 1 else ())
@@ -274,13 +276,30 @@ def simulated_pipeline(p: Partition, forward_share: Sequence[float], schedule: s
     """Seconds of the pipeline part of a step: ``schedule``'s timeline of ``p``'s micro-batches
     (:func:`sparsepipe_hpc.pipeline.simulate`), stage ``s`` taking ``forward_share[s]`` of its
     compute forward and the rest backward, each half of its transfers. The formula the split
-    is found by (``p.step_time()``) over-charges 1F1B where an earlier stage is the bottleneck
+    is found by (``p.step_time()``) is exact only in special cases
     (:mod:`sparsepipe_hpc.plan.cost`); this is the schedule's own time for that split."""
-    from sparsepipe_hpc.pipeline import make_schedule, simulate
+    from sparsepipe_hpc.pipeline import simulate
 
     fwd = [r * c + x / 2 for r, c, x in zip(forward_share, p.compute, p.transfer)]
     bwd = [(1 - r) * c + x / 2 for r, c, x in zip(forward_share, p.compute, p.transfer)]
-    return simulate(make_schedule(schedule, len(p.times), p.microbatches), fwd, bwd).makespan
+    return simulate(_schedule(schedule, len(p.times), p.microbatches), fwd, bwd,
+                    check=False).makespan
+
+
+@functools.lru_cache(maxsize=512)
+def _schedule(kind: str, stages: int, micro_batches: int) -> Any:
+    """``make_schedule``'s schedule, validated once (a search simulates each many times)."""
+    from sparsepipe_hpc.pipeline import make_schedule, validate
+
+    sched = make_schedule(kind, stages, micro_batches)
+    validate(sched)
+    return sched
+
+
+def _ring_allreduce_times(nbytes: np.ndarray, replicas: int, link: Link) -> np.ndarray:
+    """:func:`ring_allreduce_time` of every entry of ``nbytes`` (it is affine in the bytes)."""
+    at0 = ring_allreduce_time(0.0, replicas, link)
+    return at0 + (ring_allreduce_time(1.0, replicas, link) - at0) * nbytes
 
 
 def _segment_sums(x: Sequence[float]) -> np.ndarray:

@@ -381,7 +381,7 @@ class Trainer:
         """" (stage transfers K)" where the pipeline's payloads move by another transport than
         the halos (``nccl`` matches calls in order on one stream, which stage messages do not
         keep: see :mod:`sparsepipe_hpc.train.transport`)."""
-        if self.pipe is None:
+        if self.pipe is None or self.layout.stages == 1:  # (micro-batches alone send nothing)
             return ""
         kind = self.pipe.executor.link.transport.kind
         return f" (stage transfers {kind})" if kind != self.transport else ""

@@ -166,4 +166,6 @@ def plot_title(cfg: TrainConfig, layout: RankLayout, pipelined: bool, first: int
             f"{'x'.join(map(str, layout.grid))}")
     if pipelined:
         text += f", {cfg.pipeline_schedule} with {cfg.micro_batches} micro-batch(es)"
+    if last < first:    # a finished run resumed: nothing trained
+        return text + ", no step"
     return text + (f", step {first}" if first == last else f", steps {first}-{last}")
