@@ -267,6 +267,24 @@ def test_resume_on_other_training_data_is_refused(data, tmp_path):
         Trainer(cfg, MPI.COMM_SELF, log=None)
 
 
+def test_resume_with_other_validation_data_is_refused(data, tmp_path):
+    """The voxel grid spans the training and the validation split: larger validation rooms move
+    its origin and grow it, which changes which voxels merge down the network. The same
+    training split passed its check and the run went on, silently another run."""
+    train(tiny(data, tmp_path / "a", "--steps", "2"))
+    bigger = generate_scenes(tmp_path / "big", train=2, val=2, seed=5, size=(6.0, 5.0, 3.0),
+                             objects=(2, 4), points=(1500, 2500))
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(data["seg"] / "train.h5", mixed / "train.h5")
+    shutil.copy(bigger / "val.h5", mixed / "val.h5")
+    cfg = tiny({"seg": mixed}, tmp_path / "b", "--steps", "3", "--resume",
+               str(tmp_path / "a" / "last.pt"))
+    with pytest.raises(SetupError, match=r"trained on another voxel grid \(origin .* -> origin "
+                                         r".*the validation data differ"):
+        Trainer(cfg, MPI.COMM_SELF, log=None)
+
+
 @pytest.mark.parametrize("task", ["seg", "cls"])
 def test_resume_on_data_changed_in_place_is_refused(data, tmp_path, task):
     """Labels rewritten in place (same files, sizes and point counts) are other data too: the

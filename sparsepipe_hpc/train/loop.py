@@ -290,7 +290,8 @@ class Trainer:
         at = resume.load_state(path, self._train_state(), cfg=self.cfg, out=self.out,
                                comm=self.comm, layout=self.layout,
                                stage=self.pipe.stage if self.pipe is not None else None,
-                               device=self.device, data=self.data_ids["train"], say=self._say)
+                               device=self.device, data=self.data_ids["train"],
+                               grid=resume.grid_record(self.origin, self.shape), say=self._say)
         self.step, self.epoch, self._on_disk = at.step, at.epoch, at.on_disk
 
     def _train_state(self) -> resume.TrainState:
@@ -440,6 +441,7 @@ class Trainer:
                 step=self.step, epoch=self.epoch, total_steps=self.total_steps,
                 config=self.cfg.to_dict(), layout=self.layout,
                 versions=run_files.versions(self.comm), data=self.data_ids["train"],
+                grid=resume.grid_record(self.origin, self.shape),
                 on_disk=self._on_disk if last else None)
             if last:
                 self._on_disk = digest

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -38,7 +38,7 @@ from sparsepipe_hpc.train.device import Precision
 from sparsepipe_hpc.train.lr_schedule import restore_schedule
 
 __all__ = ["TrainState", "Resumed", "layout_record", "sync_stages", "write_checkpoint",
-           "load_state"]
+           "load_state", "grid_record"]
 
 
 @dataclass
@@ -106,19 +106,21 @@ def _on_host(obj: Any) -> Any:
 def write_checkpoint(path: Path, state: TrainState, *, rng: list[Any],
                      stage_optimizers: Optional[list[Any]], step: int, epoch: int,
                      total_steps: int, config: dict[str, Any], layout: RankLayout,
-                     versions: dict[str, str], data: dict[str, Any],
+                     versions: dict[str, str], data: dict[str, Any], grid: dict[str, Any],
                      on_disk: Optional[ckpt_io.FileDigest]) -> ckpt_io.FileDigest:
     """Rank 0: write the checkpoint of ``state`` at ``step`` to ``path`` with its manifest
     (:func:`sparsepipe_hpc.train.checkpoint.save_checkpoint`; ``on_disk``: the digest of the
     file now at ``path`` when known). ``rng``: every rank's RNG state, in rank order;
     ``config``: ``TrainConfig.to_dict()``; ``data``: the training split's
-    :func:`~sparsepipe_hpc.train.agreement.data_fingerprint`. Returns the new file's digest."""
+    :func:`~sparsepipe_hpc.train.agreement.data_fingerprint`; ``grid``: the voxel grid
+    (:func:`grid_record`). Returns the new file's digest."""
     record = layout_record(layout)
     saved = {
         "format": ckpt_io.FORMAT, "version": ckpt_io.VERSION, "step": step, "epoch": epoch,
         "model": state.model.state_dict(), "optimizer": state.optimizer.state_dict(),
         "scheduler": state.scheduler.state_dict(), "loader": state.batches.state_dict(),
-        "rng": rng, "config": config, "layout": record, "versions": versions, "data": data}
+        "rng": rng, "config": config, "layout": record, "versions": versions, "data": data,
+        "grid": grid}
     if stage_optimizers is not None:
         saved["optimizer_stages"] = stage_optimizers
     if state.precision.scaler is not None:  # fp16: the loss scale continues
@@ -129,14 +131,21 @@ def write_checkpoint(path: Path, state: TrainState, *, rng: list[Any],
          "layout": record, "versions": versions}, on_disk=on_disk)
 
 
+def grid_record(origin: Sequence[float], shape: Sequence[int]) -> dict[str, Any]:
+    """The voxel grid as a checkpoint records it: origin (m) and spatial shape (voxels)."""
+    return {"origin": [float(v) for v in origin], "shape": [int(v) for v in shape]}
+
+
 def load_state(path: Path, state: TrainState, *, cfg: TrainConfig, out: Path, comm: Any,
                layout: RankLayout, stage: Optional[int], device: torch.device,
-               data: dict[str, Any], say: Callable[[str], None]) -> Resumed:
+               data: dict[str, Any], grid: dict[str, Any],
+               say: Callable[[str], None]) -> Resumed:
     """Load the checkpoint at ``path`` into ``state`` and this rank's RNG; ``stage``: this rank's
     pipeline stage (None unpipelined). Raises CheckpointError when the file is missing, corrupt
     or does not fit this run (another model, another number of stages, other training data than
-    ``data``, the training split's fingerprint, where the checkpoint records it); ``say``: the
-    notes (no manifest, another schedule, another layout). Run under :func:`agree`."""
+    ``data``, the training split's fingerprint, or another voxel grid than ``grid``, where the
+    checkpoint records them); ``say``: the notes (no manifest, another schedule, another
+    layout). Run under :func:`agree`."""
     ckpt = ckpt_io.load_checkpoint(path)
     ckpt_io.check_compatible(ckpt, cfg.to_dict(), path)
     saved_data = ckpt.get("data") or {}  # (checkpoints before this record carry none)
@@ -150,6 +159,14 @@ def load_state(path: Path, state: TrainState, *, cfg: TrainConfig, out: Path, co
             f"--resume {path}: the checkpoint was written for other training data ({diff}); "
             f"a resume continues the same run: pass its --data, or start a new run without "
             f"--resume")
+    saved_grid = ckpt.get("grid")
+    if saved_grid is not None and saved_grid != grid:
+        raise ckpt_io.CheckpointError(
+            f"--resume {path}: the checkpoint was trained on another voxel grid (origin "
+            f"{saved_grid['origin']} m, shape {saved_grid['shape']} -> origin {grid['origin']} "
+            f"m, shape {grid['shape']}): the grid spans the training and validation splits, so "
+            f"the validation data differ from the run's; which voxels merge down the network, "
+            f"and the augmentation, would change. Pass the run's --data, or start a new run")
     on_disk: Optional[ckpt_io.FileDigest] = None
     if ckpt.get("manifest") is None:
         say(f"note: {path} has no manifest ({ckpt_io.manifest_path(path).name}): "
