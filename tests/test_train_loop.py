@@ -149,7 +149,7 @@ def test_resume_explicit_path_and_mismatch(data, tmp_path):
     ckpt = tmp_path / "a" / "last.pt"
     res = train(tiny(data, tmp_path / "c", "--steps", "3", "--resume", str(ckpt)))
     assert res["step"] == 3 and [r["step"] for r in read_metrics(tmp_path / "c" / "metrics.jsonl",
-                                                                 "train")] == [3]
+                                                                 "train")] == [1, 2, 3]
     with pytest.raises(SetupError, match=r"other options \(--width 4 -> 8\)"):
         Trainer(tiny(data, tmp_path / "d", "--width", "8", "--resume", str(ckpt)), MPI.COMM_SELF,
                 log=None)
@@ -265,6 +265,21 @@ def test_resume_on_other_training_data_is_refused(data, tmp_path):
     with pytest.raises(SetupError, match=r"written for other training data \(.*samples 8 -> 9.*"
                                          r"pass its --data, or start a new run"):
         Trainer(cfg, MPI.COMM_SELF, log=None)
+
+
+def test_a_resume_into_another_runs_directory_keeps_its_own_log(data, tmp_path):
+    """--resume a/last.pt --out b, where b holds another run: b's log kept that run's steps 1-2
+    under this run's 3 (a spliced loss curve, and a false note that steps were lost). It now
+    holds a's records up to the checkpoint, then this run's."""
+    train(tiny(data, tmp_path / "a", "--steps", "2"))
+    train(tiny(data, tmp_path / "b", "--steps", "4", "--lr", "0.1"))
+    said = []
+    Trainer(tiny(data, tmp_path / "b", "--steps", "3", "--resume", str(tmp_path / "a" / "last.pt")),
+            MPI.COMM_SELF, log=said.append).run()
+    assert losses(tmp_path / "b")[:2] == losses(tmp_path / "a")
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl", "train")] == [1, 2, 3]
+    assert any("held the records of another run" in line for line in said)
+    assert not any("were lost" in line for line in said)
 
 
 def test_resume_with_other_validation_data_is_refused(data, tmp_path):

@@ -202,6 +202,23 @@ class MetricsLog:
             self._file = open(self.path, "a", encoding="utf-8")
         return dropped
 
+    def copy_from(self, path: Path, up_to: int) -> int:
+        """Append the records of the log at ``path`` with ``step`` <= ``up_to`` (a resumed run's
+        own records before its checkpoint, kept in another directory); lines cut short by a
+        crash are skipped. Returns how many (0 where there is no such file)."""
+        if self._file is None or not path.is_file():
+            return 0
+        kept = 0
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and rec.get("step", 0) <= up_to:
+                self.write(rec)
+                kept += 1
+        return kept
+
     def close(self) -> None:
         if self._file is not None:
             try:

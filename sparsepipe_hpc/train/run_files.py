@@ -67,8 +67,10 @@ def open_out(out: Path, need_bytes: int, say: Callable[[str], None], *,
     """Rank 0: remove temporary files left in ``out`` by a killed run, check that ``out`` is
     writable with ``need_bytes`` free (OutputError otherwise), open ``metrics.jsonl``; resumed
     (from the checkpoint ``resumed_from`` at ``step``): cut it back to that step, saying which
-    steps are trained again; not resumed: empty it, saying so if an earlier run left records
-    (a requeued ``--resume auto`` job killed before its first checkpoint appended to them)."""
+    steps are trained again, or, for a checkpoint of another directory, replace it with that
+    run's records up to ``step`` (what it held was another run's); not resumed: empty it,
+    saying so if an earlier run left records (a requeued ``--resume auto`` job killed before
+    its first checkpoint appended to them)."""
     removed = ckpt_io.remove_stale_temps(out)  # first: they may be what fills the disk
     check_out_dir(out, need_bytes)
     if removed:
@@ -76,7 +78,14 @@ def open_out(out: Path, need_bytes: int, say: Callable[[str], None], *,
             f"died while writing ({format_bytes(sum(n for _, n in removed))}): "
             + ", ".join(p.name for p, _ in removed))
     metrics = MetricsLog(out / "metrics.jsonl", enabled=True)
-    if resumed_from is not None:
+    if resumed_from is not None and resumed_from.resolve().parent != out.resolve():
+        if metrics.truncate_after(0):
+            say(f"note: {out / 'metrics.jsonl'} held the records of another run than the one "
+                f"{resumed_from} continues: they are replaced")
+        source = resumed_from.parent / "metrics.jsonl"
+        if metrics.copy_from(source, step):
+            say(f"the log continues {source}: its records up to step {step} are copied")
+    elif resumed_from is not None:
         note = lost_steps_note(metrics.last_train_step(), step, resumed_from, out)
         if note is not None:
             say(note)
