@@ -282,6 +282,17 @@ def test_a_resume_into_another_runs_directory_keeps_its_own_log(data, tmp_path):
     assert not any("were lost" in line for line in said)
 
 
+def test_a_resume_compares_the_balance_meant_not_as_written(data, tmp_path):
+    """No --balance means the even split: resuming with it written out is the same run (it was
+    refused as "--balance None -> '6'"), and so is the way back."""
+    train(tiny(data, tmp_path / "a", "--steps", "2"))
+    ckpt = str(tmp_path / "a" / "last.pt")
+    assert train(tiny(data, tmp_path / "b", "--steps", "3", "--balance", "6", "--resume",
+                      ckpt))["step"] == 3
+    assert train(tiny(data, tmp_path / "c", "--steps", "3", "--resume",
+                      str(tmp_path / "b" / "last.pt")))["step"] == 3
+
+
 def test_resume_with_other_validation_data_is_refused(data, tmp_path):
     """The voxel grid spans the training and the validation split: larger validation rooms move
     its origin and grow it, which changes which voxels merge down the network. The same

@@ -131,6 +131,20 @@ def write_checkpoint(path: Path, state: TrainState, *, rng: list[Any],
          "layout": record, "versions": versions}, on_disk=on_disk)
 
 
+def _meant_balance(config: dict[str, Any], blocks: int) -> dict[str, Any]:
+    """``config`` with its ``balance`` as the blocks per stage it means (none given: the even
+    split), so that ``--balance 3,3`` and no ``--balance`` over 6 blocks compare equal."""
+    from sparsepipe_hpc.pipeline.runner import even_balance
+
+    stages, balance = int(config.get("stages") or 1), config.get("balance")
+    try:
+        counts = (even_balance(blocks, stages) if balance is None
+                  else tuple(int(v) for v in str(balance).split(",")))
+    except ValueError:  # not this run's to judge: compared as written
+        return config
+    return {**config, "balance": ",".join(map(str, counts))}
+
+
 def grid_record(origin: Sequence[float], shape: Sequence[int]) -> dict[str, Any]:
     """The voxel grid as a checkpoint records it: origin (m) and spatial shape (voxels)."""
     return {"origin": [float(v) for v in origin], "shape": [int(v) for v in shape]}
@@ -147,7 +161,9 @@ def load_state(path: Path, state: TrainState, *, cfg: TrainConfig, out: Path, co
     checkpoint records them); ``say``: the notes (no manifest, another schedule, another
     layout). Run under :func:`agree`."""
     ckpt = ckpt_io.load_checkpoint(path)
-    ckpt_io.check_compatible(ckpt, cfg.to_dict(), path)
+    blocks = len(state.model.blocks)
+    ckpt_io.check_compatible({**ckpt, "config": _meant_balance(ckpt.get("config", {}), blocks)},
+                             _meant_balance(cfg.to_dict(), blocks), path)
     saved_data = ckpt.get("data") or {}  # (checkpoints before this record carry none)
     # A field either side lacks (an older checkpoint's record, a digest of unchecked values)
     # decides nothing.
