@@ -291,6 +291,10 @@ def test_a_resume_compares_the_balance_meant_not_as_written(data, tmp_path):
                       ckpt))["step"] == 3
     assert train(tiny(data, tmp_path / "c", "--steps", "3", "--resume",
                       str(tmp_path / "b" / "last.pt")))["step"] == 3
+    said = []
+    Trainer(tiny(data, tmp_path / "d", "--steps", "3", "--no-augment", "--resume", ckpt),
+            MPI.COMM_SELF, log=said.append).close()
+    assert any("trained with augmentation, this one without" in line for line in said), said
 
 
 def test_resume_with_other_validation_data_is_refused(data, tmp_path):

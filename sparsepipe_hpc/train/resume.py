@@ -224,6 +224,11 @@ def load_state(path: Path, state: TrainState, *, cfg: TrainConfig, out: Path, co
                    "the weights go on in float32 as before")
             say(f"note: the checkpoint's run trained in {saved_precision}, this one in "
                 f"{cfg.precision}: {why}")
+        saved_augment = ckpt.get("config", {}).get("augment", cfg.augment)
+        if saved_augment != cfg.augment:
+            say(f"note: the checkpoint's run trained {'with' if saved_augment else 'without'} "
+                f"augmentation, this one {'with' if cfg.augment else 'without'} "
+                "(--augment/--no-augment): from here its samples differ")
     except ckpt_io.CheckpointError:
         raise
     except (KeyError, RuntimeError, TypeError, ValueError) as e:
