@@ -139,7 +139,8 @@ class SparseTensor:
                     f"coords of sample {b} must be integers within int32; got {wide.dtype} in "
                     f"[{wide.min().item()}, {wide.max().item()}]")
             c = wide.to(torch.int32)
-            coords.append(torch.cat([torch.full((len(c), 1), b, dtype=torch.int32), c], 1))
+            coords.append(torch.cat([torch.full((len(c), 1), b, dtype=torch.int32,
+                                                device=c.device), c], 1))
             feats.append(torch.as_tensor(s.feats, dtype=dtype))
         shape = tuple(int(n) for n in spatial_shape)
         if len(shape) != 3:

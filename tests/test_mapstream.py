@@ -170,5 +170,6 @@ def test_unet_step_aside_equals_the_default_on_gpu(gen):
     with mapstream.aside():
         got = step()
     assert mapstream._streams, "no map was built aside"
-    for a, r in zip(got, ref):  # the same kernels on the same operands; atomics may reorder sums
-        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+    for a, r in zip(got, ref):  # the same kernels on the same operands, but spconv's backward
+        # adds with atomics, in any order: relative to the norm (another map is far off)
+        assert float((a - r).norm()) <= 1e-5 * float(r.norm())

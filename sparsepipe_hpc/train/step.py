@@ -114,7 +114,7 @@ def pipeline_step(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: bo
                 y = batch.labels[lo:hi]
             inputs.append(x.to(pipe.device, non_blocking=True) if pipe.is_first else x)
             contexts.append(x.context)
-            targets.append(y.to(pipe.device) if pipe.is_last else y)
+            targets.append(y.to(pipe.device, non_blocking=True) if pipe.is_last else y)
             n_local += x.num_voxels
     # seg: voxels of the global batch (every stage holds them all); cls: as in plain_step.
     denom = ctx.global_count(n_local) if seg else batch_size * ctx.spatial_size
@@ -155,4 +155,4 @@ def pipeline_logits(pipe: Pipeline, ctx: ParallelContext, batch: Batch, *, seg: 
         x = x.to(pipe.device, non_blocking=True)
     out = pipe.run([x], [x.context], lambda i, o: (o.feats if seg else o).float(),
                    backward=False)
-    return (out[0], labels.to(pipe.device)) if out else None
+    return (out[0], labels.to(pipe.device, non_blocking=True)) if out else None
