@@ -32,8 +32,8 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3,
                     cores_per_node: Optional[int] = None) -> Any:
     """The best :class:`~sparsepipe_hpc.plan.search.Plan` for ``cfg`` on ``world_size`` ranks,
     ``ranks_per_node`` of them per node (default: all on one), profiled on ``device`` (the one the
-    run computes on: GPU timings plan a GPU run) in ``cfg.precision``. CPU ranks share ``cores_per_node`` cores
-    (``Machine.core_share``; None: a device each, as GPU ranks have)."""
+    run computes on: GPU timings plan a GPU run) in ``cfg.precision``. CPU ranks share
+    ``cores_per_node`` cores (``Machine.core_share``; None: a device each, as GPU ranks have)."""
     import torch
 
     from sparsepipe_hpc.data import ModelNetDataset, SceneDataset, collate, grid_for
