@@ -97,7 +97,8 @@ import numpy as np
 from sparsepipe_hpc.plan.cost import Link, pipeline_step_time
 
 __all__ = ["Block", "Device", "Partition", "PartitionError", "LinkSpec", "InflightFn",
-           "inflight_1f1b", "inflight_gpipe", "partition_stages", "partition_stages_best_order"]
+           "inflight_1f1b", "inflight_gpipe", "partition_stages", "partition_stages_best_order",
+           "segment_sums"]
 
 InflightFn = Callable[[int, int, int], int]
 #: Step times within this relative distance of the least are ties (the same times summed in
@@ -246,8 +247,9 @@ def _inflight(inflight: InflightFn, stages: int, m: int) -> list[int]:
     return [int(k) for k in ks]
 
 
-def _segments(x: np.ndarray) -> np.ndarray:
+def segment_sums(x: Union[Sequence[float], np.ndarray]) -> np.ndarray:
     """[B] -> [B + 1, B + 1]: entry [i, j] = sum(x[i:j]) for j > i (left to right), else 0."""
+    x = np.asarray(x, dtype=np.float64)
     n = len(x)
     out = np.zeros((n + 1, n + 1))
     for i in range(n):
@@ -260,10 +262,10 @@ class _Tables:
 
     def __init__(self, blocks: Sequence[Block]) -> None:
         self.n = len(blocks)
-        self.time = _segments(np.array([b.time for b in blocks], dtype=np.float64))
-        self.comm = _segments(np.array([b.comm for b in blocks], dtype=np.float64))
-        self.param = _segments(np.array([b.param_bytes for b in blocks], dtype=np.float64))
-        self.act = _segments(np.array([b.act_bytes for b in blocks], dtype=np.float64))
+        self.time = segment_sums([b.time for b in blocks])
+        self.comm = segment_sums([b.comm for b in blocks])
+        self.param = segment_sums([b.param_bytes for b in blocks])
+        self.act = segment_sums([b.act_bytes for b in blocks])
         self.out = np.array([b.out_bytes for b in blocks], dtype=np.float64)
 
 
@@ -360,11 +362,7 @@ def _pipeline_split(f: np.ndarray, m: int) -> Optional[tuple[float, list[int]]]:
     """The DP of the module docstring on stage times ``f``: (least step, its bounds), None
     when no split has finite times."""
     S, n = f.shape[0], f.shape[1] - 1
-    H = np.full(n + 1, np.inf)
-    H[n] = 0.0
-    for s in range(S - 1, -1, -1):
-        H = np.min(np.maximum(f[s], H[None, :]), axis=1)
-    tstar = H[0]
+    tstar = _least_max(f)
     if not math.isfinite(tstar):
         return None
     limit = _best_bottleneck(f, tstar, m)
@@ -382,13 +380,14 @@ def _pipeline_split(f: np.ndarray, m: int) -> Optional[tuple[float, list[int]]]:
     return float(G[0]) + (m - 1) * limit, bounds
 
 
-def _least_max(t: np.ndarray, feasible: np.ndarray) -> float:
-    """The least ``max_s t[s, i_s, j_s]`` over splits using only ``feasible`` stages."""
+def _least_max(t: np.ndarray) -> float:
+    """The least ``max_s t[s, i_s, j_s]`` over splits (``H(0, 0)`` of the module docstring;
+    inf entries are stages no split may use)."""
     S, n = t.shape[0], t.shape[1] - 1
     H = np.full(n + 1, np.inf)
     H[n] = 0.0
     for s in range(S - 1, -1, -1):
-        H = np.min(np.maximum(np.where(feasible[s], t[s], np.inf), H[None, :]), axis=1)
+        H = np.min(np.maximum(t[s], H[None, :]), axis=1)
     return float(H[0])
 
 
@@ -409,7 +408,7 @@ def _split_with_tails(f: np.ndarray, m: int, tails: Sequence[np.ndarray]
     feasible = np.isfinite(f)
     p0, best_bounds = base
     best = total(best_bounds)
-    low = [_least_max(t, feasible) for t in tails]
+    low = [_least_max(np.where(feasible, t, np.inf)) for t in tails]
     values = [np.unique(t[feasible]) for t in tails]
     K = len(tails)
 

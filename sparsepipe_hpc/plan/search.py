@@ -62,7 +62,8 @@ from sparsepipe_hpc.plan.cost import (OPTIMIZER_FACTOR, Link, bubble_fraction, h
                                       surface_voxels)
 from sparsepipe_hpc.plan.machine import Machine
 from sparsepipe_hpc.plan.partition import (Block, Device, Partition, PartitionError,
-                                           inflight_1f1b, inflight_gpipe, partition_stages)
+                                           inflight_1f1b, inflight_gpipe, partition_stages,
+                                           segment_sums)
 from sparsepipe_hpc.plan.profile import ModelProfile
 
 #: The pipeline schedules, by the trainer's --pipeline-schedule name: micro-batches in flight.
@@ -218,6 +219,11 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
     if schedule not in SCHEDULES:
         raise SearchError(f"schedule {schedule!r} must be one of {list(SCHEDULES)}")
     inflight = SCHEDULES[schedule]
+    # The once-per-step tails of a stage s on blocks [i, j): its all-reduce and its update.
+    params = segment_sums([b.param_bytes for b in profile.blocks])
+    updates = segment_sums([b.update for b in profile.blocks])
+    tails = [np.stack([_ring_allreduce_times(params, replicas * G, ln) for ln in group_links]),
+             np.stack([updates / d.speed for d in devs])]
     rebuild = profile.rebuild_costs(v) if stages > 1 else None
     if balance is not None:
         if len(balance) != stages or sum(balance) != len(blocks) or min(balance) < 1:
@@ -239,23 +245,14 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
         halo_s = [sum(halos[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         split_s = [sum(splits[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     else:
-        # The once-per-step tails of a stage on blocks [i, j): its all-reduce and its update.
-        params = _segment_sums([b.param_bytes for b in profile.blocks])
-        updates = _segment_sums([b.update for b in profile.blocks])
-        tails = [np.stack([_ring_allreduce_times(params, replicas * G, ln)
-                           for ln in group_links]),
-                 np.stack([updates / d.speed for d in devs])]
         p = partition_stages(blocks, devs, links or Link(), micro_batches, inflight, rebuild,
                              tails=tails if stages > 1 else ())
         bal = tuple(b - a for a, b in zip(p.bounds[:-1], p.bounds[1:]))
         halo_s = [sum(halos[a:b]) for a, b in zip(p.bounds[:-1], p.bounds[1:])]
         split_s = [sum(splits[a:b]) for a, b in zip(p.bounds[:-1], p.bounds[1:])]
         bounds = list(p.bounds)
-    weights = [sum(b.param_bytes for b in profile.blocks[a:c])
-               for a, c in zip(bounds[:-1], bounds[1:])]
-    ar = tuple(ring_allreduce_time(w, replicas * G, ln) for w, ln in zip(weights, group_links))
-    upd = tuple(sum(b.update for b in profile.blocks[a:c]) / d.speed
-                for a, c, d in zip(bounds[:-1], bounds[1:], devs))
+    ar, upd = (tuple(float(t[s, a, c]) for s, (a, c) in enumerate(zip(bounds, bounds[1:])))
+               for t in tails)
     pipeline = p.step_time()
     if stages > 1:
         fwd = [sum(b.forward(v) for b in profile.blocks[a:c]) for a, c in zip(bounds, bounds[1:])]
@@ -302,12 +299,6 @@ def _ring_allreduce_times(nbytes: np.ndarray, replicas: int, link: Link) -> np.n
     return at0 + (ring_allreduce_time(1.0, replicas, link) - at0) * nbytes
 
 
-def _segment_sums(x: Sequence[float]) -> np.ndarray:
-    """[B] -> [B + 1, B + 1]: entry [i, j] = sum(x[i:j]) for j > i, else 0."""
-    cum = np.r_[0.0, np.cumsum(x)]
-    return np.maximum(cum[None, :] - cum[:, None], 0.0)
-
-
 def search(profile: ModelProfile, machine: Machine, batch_size: int,
            ranks: Optional[int] = None, schedule: str = "1f1b", imbalance: float = 1.0,
            optimizer: str = "adamw", max_micro_batches: Optional[int] = None,
@@ -324,8 +315,6 @@ def search(profile: ModelProfile, machine: Machine, batch_size: int,
         raise SearchError(f"batch_size is {batch_size}; it must be >= 1")
     if optimizer not in OPTIMIZER_FACTOR:
         raise SearchError(f"optimizer {optimizer!r} must be one of {sorted(OPTIMIZER_FACTOR)}")
-    if schedule not in SCHEDULES:
-        raise SearchError(f"schedule {schedule!r} must be one of {list(SCHEDULES)}")
     fixed = dict(fixed or {})
     if fixed.get("balance") is not None:  # a fixed partition fixes the stage count
         nb = len(fixed["balance"])
