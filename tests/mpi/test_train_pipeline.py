@@ -275,3 +275,34 @@ def test_stages_not_dividing_ranks_fail_on_every_rank(comm, shared):
     stages = 2 if comm.size % 2 else 3
     with pytest.raises(ConfigError, match=f"does not divide the {comm.size} ranks"):
         Trainer(config(shared, shared / "never", "--stages", str(stages)), comm, log=None)
+
+
+def test_a_step_fp16_skips_changes_nothing_on_any_stage(comm, shared, tmp_path):
+    """A pipelined fp16 step whose forward overflows (step 2's features x 1e5): every stage's
+    rank skips it together, and its weights and BatchNorm statistics stay those after step 1
+    (the last stage's overflow had put NaN into the running statistics of its layers)."""
+    import dataclasses
+
+    if comm.size not in LAYOUTS:
+        pytest.skip(f"no one-replica pipeline layout for {comm.size} ranks")
+    stages, grid, balance = LAYOUTS[comm.size][0]
+    out = Path(comm.bcast(str(tmp_path / "fp16") if comm.rank == 0 else None))
+    t = Trainer(config(shared, out, "--stages", str(stages), "--grid", grid, "--balance",
+                       balance, "--steps", "2", "--precision", "fp16"), comm, log=None)
+    read, after_first = t._train_batch, {}
+
+    def train_batch(indices, epoch):
+        batch = read(indices, epoch)
+        if t.step == 1:
+            after_first.update({k: v.clone() for k, v in t.pipe.blocks.state_dict().items()})
+            batch = dataclasses.replace(batch, x=batch.x.replace(feats=batch.x.feats * 1e5))
+        return batch
+
+    t._train_batch = train_batch
+    t.run()
+    assert comm.allgather(t.precision.skipped) == [True] * comm.size
+    own = t.pipe.blocks.state_dict()   # (the last checkpoint gathers the other stages')
+    assert any("running_mean" in k for k in own)
+    for k, v in own.items():
+        assert torch.equal(v, after_first[k]), (comm.rank, k)
+    t.close()
