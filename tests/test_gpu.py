@@ -9,6 +9,7 @@ import torch
 
 from halo.kmap import KernelMap, kernel_map, output_coords, strided_map
 from helpers import cuda_unet_step, random_cloud, repo_env
+from sparsepipe_hpc.bench.launches import is_sync_warning
 from sparsepipe_hpc.engine import get_engine
 from sparsepipe_hpc.nn import SparseUNet
 
@@ -39,7 +40,7 @@ def _syncs(fn) -> list[str]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return [f"{w.filename}:{w.lineno}" for w in caught if is_sync_warning(str(w.message))]
 
 
 def test_kernel_maps_wait_for_the_gpu_once_per_pass(gen):

@@ -46,10 +46,17 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["step_launches", "summarize", "kernel_gap", "describe_gap"]
+__all__ = ["step_launches", "summarize", "kernel_gap", "describe_gap", "is_sync_warning"]
 
 _BLOCKING = ("Synchronize", "cudaMemcpy", "cuMemcpy")  # cudaMemcpy (not Async) waits too
 _END = "bench: end of the profiled step"  # the range of the profile's own last synchronize
+
+
+def is_sync_warning(message: str) -> bool:
+    """Whether a warning of ``torch.cuda.set_sync_debug_mode("warn")`` reports a wait for the
+    device, not the mode itself: torch 2.11 warns, on setting it, that "Synchronization debug mode
+    is a prototype feature", which two GPU sessions counted as a sync in every profiled step."""
+    return "synchroniz" in message and "prototype feature" not in message
 
 
 def _blocks(name: str) -> bool:
@@ -218,7 +225,7 @@ def summarize(events: Any, warned: list[tuple[str, str]], top: int = 8) -> dict[
     for e in host:
         for k in getattr(e, "kernels", None) or ():
             launched.setdefault(k.name, Counter())[_launch_site(e)] += k.duration
-    synced = [site for msg, site in warned if "synchroniz" in msg]
+    synced = [site for msg, site in warned if is_sync_warning(msg)]
     sites = Counter(_sync_site(e) for e in calls
                     if _blocks(e.name) or e.name in ("cudaMalloc", "cudaFree"))
     sites.update(f"torch sync at {site}" for site in synced)

@@ -1,0 +1,124 @@
+"""Host time of a U-Net step: where the host spends it, per network of ``bench gpu``.
+
+    python -m sparsepipe_hpc.bench host --json host.json          # the issue's scene, fp16, CUDA
+    python -m sparsepipe_hpc.bench host --device cpu --rooms 1 --voxel-size 0.2 --width 4 \\
+        --depth 2 --points 20000 --precision fp32 --repeats 1      # a smoke run on a CPU
+
+On an H100 the project's fp16 step ran the same GPU time of kernels as the plain spconv U-Net
+(57-58 ms) and still took 1.14x as long: the device waited on the host (``bench gpu``'s
+``gpu_idle_s``). This benchmark says where that host time goes, per network:
+
+  step_s      the step (forward + backward from fresh coordinates), CUDA-event timed, median
+  issue_s     host seconds until the step returned (its kernels launched, not finished; the
+              host syncs inside count), median: near ``step_s``, the device waits on the host
+  functions   one more step under :mod:`cProfile` (Python 3.12 profiles every thread, so the
+              autograd thread's backward functions too): the ``--top`` functions by own time and
+              the project's by total time, seconds per step (the profiler slows the host:
+              compare rows, not totals)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from sparsepipe_hpc.bench._args import positive_int
+from sparsepipe_hpc.bench.common import environment, write_json
+
+__all__ = ["main", "build_parser"]
+
+_OURS = ("sparsepipe_hpc", "halo")
+
+
+def _issue_times(step: Any, device: torch.device, repeats: int) -> dict[str, float]:
+    """Medians over ``repeats`` steps: device step time, and host time to issue the step."""
+    from sparsepipe_hpc.bench.common import _time_once
+
+    steps, issued = [], []
+    for _ in range(repeats):
+        steps.append(_time_once(step, device)[0])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        step()
+        issued.append(time.perf_counter() - t)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return {"step_s": statistics.median(steps), "issue_s": statistics.median(issued)}
+
+
+def _functions(step: Any, device: torch.device, top: int) -> dict[str, list]:
+    """One profiled step: the ``top`` functions by own time, and the project's by total time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = [(f"{file.split('site-packages/')[-1]}:{line} {name}", calls, own, total)
+            for (file, line, name), (_, calls, own, total, _) in stats.items()]
+    ours = [r for r in rows if any(f"{p}/" in r[0] for p in _OURS) and "/bench/" not in r[0]]
+    return {"by_own": sorted(rows, key=lambda r: -r[2])[:top],
+            "ours_by_total": sorted(ours, key=lambda r: -r[3])[:top]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench host")
+    p.add_argument("--json")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--rooms", type=positive_int, default=4)
+    p.add_argument("--voxel-size", type=float, default=0.02)
+    p.add_argument("--points", type=positive_int, default=2_000_000, help="points per room")
+    p.add_argument("--width", type=positive_int, default=32)
+    p.add_argument("--depth", type=positive_int, default=4)
+    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp16")
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--top", type=positive_int, default=30)
+    p.add_argument("--networks", default="spconv_unet,sparseunet,distributed_1x1x1",
+                   help="comma-separated names of bench gpu's networks")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    from sparsepipe_hpc.bench.gpu import PRECISIONS, synthetic_rooms, unet_steps
+    from sparsepipe_hpc.train.device import resolve_device
+
+    p = build_parser()
+    args = p.parse_args(argv)
+    device = resolve_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # spconv's CPU kernels race with more
+    x = synthetic_rooms(args.rooms, args.voxel_size, args.points).to(device)
+    nets = unet_steps(x, args.width, args.depth, device, PRECISIONS[args.precision])
+    names = [n.strip() for n in args.networks.split(",") if n.strip()]
+    unknown = [n for n in names if n not in nets]
+    if unknown:
+        p.error(f"--networks: {unknown} not among this device's networks {sorted(nets)}")
+    print(f"{x.num_voxels} voxels, U-Net width {args.width} depth {args.depth}, "
+          f"{args.precision} on {device}")
+    result: dict[str, Any] = {"env": environment(), "device": str(device),
+                              "precision": args.precision, "voxels": x.num_voxels,
+                              "networks": {}}
+    for name in names:  # warm-up: spconv tunes its kernels on first use
+        nets[name]()
+        nets[name]()
+    for name in names:
+        r = result["networks"][name] = _issue_times(nets[name], device, args.repeats)
+        print(f"{name:20s} step {r['step_s'] * 1e3:7.1f} ms, host issues it in "
+              f"{r['issue_s'] * 1e3:7.1f} ms")
+    for name in names:
+        f = result["networks"][name]["functions"] = _functions(nets[name], device, args.top)
+        print(f"{name}: by own time (calls, own ms, total ms)")
+        for where, calls, own, total in f["by_own"]:
+            print(f"  {calls:6d} {own * 1e3:8.2f} {total * 1e3:8.2f}  {where}")
+        print(f"{name}: the project's functions by total time")
+        for where, calls, own, total in f["ours_by_total"]:
+            print(f"  {calls:6d} {own * 1e3:8.2f} {total * 1e3:8.2f}  {where}")
+        write_json(args.json, result)
