@@ -102,6 +102,9 @@ class KernelMap:
     _bounds: Optional[list[int]] = field(default=None, repr=False, compare=False)
     # engine.spconv_igemm's tables (an object with a ``transposed()``: the transpose's tables).
     _igemm: Optional[Any] = field(default=None, repr=False, compare=False)
+    # Each pair's offset [P] (any integer dtype) where the builder had it: strided_map's sort
+    # leaves it, so pair_offsets needs no repeat_interleave (a slow kernel on CUDA).
+    _offsets: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     @property
     def num_offsets(self) -> int:
@@ -123,6 +126,8 @@ class KernelMap:
         """int64 [P]: each pair's kernel offset, on ``device`` (default: the rows'), built
         without waiting for the device."""
         dev = self.in_rows.device if device is None else device
+        if self._offsets is not None:
+            return self._offsets.to(dev, torch.int64)
         return torch.repeat_interleave(torch.arange(self.num_offsets, device=dev),
                                        _on(self.ptr, dev).diff(), output_size=self.num_pairs)
 
@@ -133,7 +138,8 @@ class KernelMap:
     def transpose(self) -> "KernelMap":
         """The map of the transposed (inverse) convolution: inputs and outputs swap roles."""
         if self._transposed is None:  # kept, so its spconv layout is built once too
-            t = KernelMap(self.out_rows, self.in_rows, self.ptr, self.n_out, self.n_in)
+            t = KernelMap(self.out_rows, self.in_rows, self.ptr, self.n_out, self.n_in,
+                          _offsets=self._offsets)
             if self._spconv is not None:  # the same table, its two rows swapped
                 pairs, counts = self._spconv
                 t._spconv = (pairs.flip(0), counts)
@@ -378,7 +384,8 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     in_rows = by_output[by_offset]
     ptr = host[:n_k + 1].clone()  # offset j's pairs from its start bounds[j] to bounds[j + 1]
     out = _decode_linear(uniq, out_shape) if narrow else decode_keys(uniq)
-    return out, KernelMap(in_rows, row[by_offset], ptr, len(c), len(uniq))
+    return out, KernelMap(in_rows, row[by_offset], ptr, len(c), len(uniq),
+                          _offsets=offsets[:n_pairs])
 
 
 def _decode_linear(keys: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:

@@ -396,6 +396,13 @@ def test_strided_map_equals_output_coords_then_kernel_map(gen, k, s, p, n):
         assert torch.equal(km.ptr, ref.ptr) and torch.equal(km.in_rows, ref.in_rows)
         assert torch.equal(km.out_rows, ref.out_rows) and km.in_rows.dtype == ref.in_rows.dtype
         assert (km.n_in, km.n_out) == (ref.n_in, ref.n_out)
+        # Each pair's offset, which tiling windows keep from their sort, is the CSR's (its
+        # transpose's too), int64 as repeat_interleave over ptr gives it.
+        for m in (km, km.transpose()):
+            offsets = m.pair_offsets()
+            assert offsets.dtype == torch.int64
+            assert torch.equal(offsets, torch.repeat_interleave(torch.arange(m.num_offsets),
+                                                                m.ptr.diff()))
 
 
 def test_strided_map_checks_the_batch_size_it_is_given(gen):
@@ -540,3 +547,23 @@ def test_spconv_float64_on_cuda_is_a_clear_error():
     assert native_dtype(torch.float64, torch.device("cpu")) == torch.float64
     with pytest.raises(SpconvDtypeError, match=r"no float64 kernels on CUDA .* engine='torch'"):
         native_dtype(torch.float64, torch.device("cuda"))
+
+
+def test_spconv_call_turns_autocast_off_and_takes_one_thread_on_the_cpu():
+    """Around spconv's kernels autocast is off (it is on again after) and the CPU has one thread
+    (restored after); outside autocast the block changes nothing else."""
+    from sparsepipe_hpc.engine.spconv_engine import spconv_call
+
+    cpu = torch.device("cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for autocast in (False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                with spconv_call(cpu):
+                    assert not torch.is_autocast_enabled("cpu")
+                    assert torch.get_num_threads() == 1
+                assert torch.is_autocast_enabled("cpu") == autocast
+                assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -95,9 +95,17 @@ def spconv_call(device: torch.device) -> Iterator[None]:
     the layers already cast inputs to the autocast dtype (:mod:`sparsepipe_hpc.nn.amp`); on
     CUDA, ``device`` made current: spconv launches on the current device and its current stream
     whatever device its tensors are on (``spconv/pytorch/cppcore.py`` maps every ``cuda:N`` to
-    its device 0)."""
-    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with single_thread(device), torch.autocast(device.type, enabled=False), on_device:
+    its device 0). Each only where it changes something: ~100 calls a U-Net step, on a host
+    that an fp16 GPU step keeps busy (``bench host``)."""
+    off = contextlib.nullcontext()
+    cast = torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(
+        device.type) else off
+    if device.type != "cuda":
+        with single_thread(device), cast:
+            yield
+        return
+    elsewhere = device.index is not None and device.index != torch.cuda.current_device()
+    with cast, (torch.cuda.device(device) if elsewhere else off):
         yield
 
 

@@ -76,16 +76,17 @@ class Tables:
                       self.argsort_bwd, self.argsort_fwd, self.pair_bwd.shape[1])
 
 
-def _side(rows: torch.Tensor, other: torch.Tensor, offsets: torch.Tensor, k: int, n: int
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pair [K, n] with ``other`` at (offset, row), -1 elsewhere; masks sorted; argsort)."""
+def _side(rows: torch.Tensor, other: torch.Tensor, offsets: torch.Tensor, bits: torch.Tensor,
+          k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pair [K, n] with ``other`` at (offset, row), -1 elsewhere; masks sorted; argsort);
+    ``bits``: ``1 << offsets``."""
     pair = torch.full((k, n), -1, dtype=torch.int32, device=rows.device)
     pair[offsets, rows] = other.to(torch.int32)
     # A row has at most one pair per offset (a map between two voxel sets), so the sum of its
     # pairs' bits is their OR: one pass over the pairs, not three over the K x n table. Masks of
     # up to 8 bits sort as bytes (one radix pass, not four); the order is the same. On this
     # project's CPU both sides of a k2s2 map of 918k voxels took 25 ms here against 84 ms.
-    mask = torch.zeros(n, dtype=torch.int64, device=rows.device).index_add_(0, rows, 1 << offsets)
+    mask = torch.zeros(n, dtype=torch.int64, device=rows.device).index_add_(0, rows, bits)
     sorted_mask, order = torch.sort(mask.to(torch.uint8 if k <= 8 else torch.int32), stable=True)
     return pair, sorted_mask.to(torch.int32), order.to(torch.int32)
 
@@ -99,8 +100,9 @@ def tables(kmap: KernelMap) -> Tables:
             raise ValueError(f"spconv's implicit GEMM takes at most {MAX_OFFSETS} kernel "
                              f"offsets; this map has {k}")
         offsets = kmap.pair_offsets()
-        fwd, mask_fwd, arg_fwd = _side(kmap.out_rows, kmap.in_rows, offsets, k, kmap.n_out)
-        bwd, mask_bwd, arg_bwd = _side(kmap.in_rows, kmap.out_rows, offsets, k, kmap.n_in)
+        bits = 1 << offsets
+        fwd, mask_fwd, arg_fwd = _side(kmap.out_rows, kmap.in_rows, offsets, bits, k, kmap.n_out)
+        bwd, mask_bwd, arg_bwd = _side(kmap.in_rows, kmap.out_rows, offsets, bits, k, kmap.n_in)
         kmap._igemm = Tables(fwd, bwd, mask_fwd, mask_bwd, arg_fwd, arg_bwd, kmap.n_out)
         t = kmap._transposed  # made before these tables (else transpose() copies them)
         if t is not None and t._igemm is None:

@@ -163,8 +163,10 @@ class SpatialGroup:
                 raise CutError(f"explicit cuts {cuts} are for a grid {cuts.dims} over extent "
                                f"{cuts.extent}; this group's grid is {self.grid.dims} and the "
                                f"batch's extent {tuple(extent)} (level-0 voxels)")
-            return (x.num_voxels, int(coord_keys(x.coords).sum()), tuple(x.spatial_shape),
-                    x.batch_size, x.stride, align, balanced, repr(cuts), len(payloads))
+            # The checksum is for comparing ranks: a group of one skips its device read.
+            checksum = int(coord_keys(x.coords).sum()) if self.grid.comm.Get_size() > 1 else 0
+            return (x.num_voxels, checksum, tuple(x.spatial_shape), x.batch_size, x.stride,
+                    align, balanced, repr(cuts), len(payloads))
 
         # Collective from here on: the ranks agree first (two small allgathers) that each holds
         # the same valid batch and options, so a rank that differs stops them all, by name.
@@ -182,13 +184,13 @@ class SpatialGroup:
                       for i, name in enumerate(fields) if len({v[i] for v in seen}) > 1]
             raise CutError(f"the ranks of the spatial group must decompose the same batch with "
                            f"the same options; they differ in {'; '.join(differ)}")
-        if cuts is None and balanced:
+        if cuts is None and balanced and self.grid.comm.Get_size() > 1:
             # Every rank holds the whole batch: let one rank contribute so each voxel counts once.
             xyz = x.coords[:, 1:] * x.stride
             if self.grid.comm.Get_rank() != 0:
                 xyz = xyz[:0]
             cuts = balanced_cuts(self.grid.comm, xyz, extent, self.grid.dims, align=align)
-        elif cuts is None:
+        elif cuts is None:  # (one box, balanced or not, where the grid has one rank)
             cuts = uniform_cuts(extent, self.grid.dims, align=align)
         return SpatialDomain(self, cuts)
 
