@@ -103,8 +103,8 @@ def test_triton_variants_are_skipped_with_the_reason_where_they_cannot_run(tmp_p
 
 def test_the_variants_switch_one_thing_each_on_cuda_only():
     """``sparseunet_explicit`` times the strided layers as they ran before implicit GEMM became
-    CUDA's default, ``..._aside`` with their maps on a side stream: each context turns its one
-    switch, and puts it back after."""
+    CUDA's default, ``..._inline`` with their maps on the compute stream, as before the side
+    stream became the default: each context turns its one switch, and puts it back after."""
     from sparsepipe_hpc.bench._gpu_tables import variants
     from sparsepipe_hpc.engine import spconv_igemm
 
@@ -112,13 +112,14 @@ def test_the_variants_switch_one_thing_each_on_cuda_only():
 
     assert variants(torch.device("cpu")) == {}
     ways = variants(torch.device("cuda"))
-    assert list(ways) == ["explicit", "aside"] and spconv_igemm.DEVICES == ("cuda",)
+    assert list(ways) == ["explicit", "inline"] and spconv_igemm.DEVICES == ("cuda",)
+    assert mapstream.ASIDE
     with ways["explicit"]():
-        assert spconv_igemm.DEVICES == () and not mapstream.ASIDE
+        assert spconv_igemm.DEVICES == () and mapstream.ASIDE
     assert spconv_igemm.DEVICES == ("cuda",)
-    with ways["aside"]():
-        assert mapstream.ASIDE and spconv_igemm.DEVICES == ("cuda",)
-    assert not mapstream.ASIDE
+    with ways["inline"]():
+        assert not mapstream.ASIDE and spconv_igemm.DEVICES == ("cuda",)
+    assert mapstream.ASIDE
 
 
 def test_defaults_are_the_issues_scene(monkeypatch):
@@ -444,6 +445,9 @@ def test_host_benchmark_runs_on_cpu_and_names_where_the_host_time_goes(tmp_path)
         assert 0 < r["issue_s"] and 0 < r["step_s"]
         assert len(r["functions"]["by_own"]) == 5
         assert any("sparsepipe_hpc/nn/" in row[0] for row in r["functions"]["ours_by_total"])
+        nodes = {row[0] for row in r["backward"]["nodes"]}
+        assert "_SparseConvBackward" in nodes or "_DistConvBackward" in nodes, nodes
+        assert r["backward"]["total_s"] >= sum(row[2] for row in r["backward"]["nodes"]) > 0
     bad = subprocess.run([sys.executable, "-m", "sparsepipe_hpc.bench", "host", "--device", "cpu",
                           *TINY[:-4], "--networks", "sparseunet,nope"],
                          env=repo_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,

@@ -27,14 +27,15 @@ def variants(device: torch.device) -> dict[str, Callable[[], ContextManager[None
     """Other ways the project's layers can run than the default, to time beside it: name -> a
     context that switches to it; CUDA only. ``explicit``: strided layers by explicit
     gather-GEMM-scatter, not through spconv's implicit GEMM (:mod:`sparsepipe_hpc.engine.
-    spconv_igemm`, the default there since an H100 timed both). ``aside``: strided layers' maps
-    built on a side stream (:mod:`sparsepipe_hpc.mapstream`, off by default until timed)."""
+    spconv_igemm`, the default there since an H100 timed both). ``inline``: strided layers' maps
+    built on the compute stream, not on the side stream (:mod:`sparsepipe_hpc.mapstream`, the
+    default since an H200 timed both)."""
     from sparsepipe_hpc import mapstream
     from sparsepipe_hpc.engine import spconv_igemm
 
     if device.type != "cuda":
         return {}
-    return {"explicit": lambda: spconv_igemm.only_on(), "aside": lambda: mapstream.aside()}
+    return {"explicit": lambda: spconv_igemm.only_on(), "inline": lambda: mapstream.aside(False)}
 
 
 def spconv_runs(device: torch.device, dtype: Optional[torch.dtype]) -> bool:

@@ -13,8 +13,9 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                (:mod:`.spconv_unet`), ``SparseUNet`` on one rank (and ``sparseunet_<variant>``
                for each other way its layers can run, :func:`._gpu_tables.variants`: on CUDA
                ``explicit``, strided layers by gather-GEMM-scatter instead of spconv's implicit
-               GEMM), and the distributed model on a 1x1x1 grid (every layer through the spatial
-               path, empty exchanges); step time (``--step-repeats`` rounds, every round's
+               GEMM; ``inline``, their maps on the compute stream instead of a side stream), and
+               the distributed model on a 1x1x1 grid (every layer through the spatial path, empty
+               exchanges; also ``distributed_1x1x1_inline``); step time (``--step-repeats`` rounds, every round's
                kept) and memory, and each one's ratio to plain spconv: time as the median of
                the rounds' paired ratios, with their range; memory as what a step adds to what
                was allocated when it started, every model's gradients freed before it, plus its
@@ -164,8 +165,8 @@ def unet_steps(x: SparseTensor, width: int, depth: int, device: torch.device,
     steps.update({f"sparseunet_{v}": UNetStep(switched(ours_step, on), ours)
                   for v, on in ways.items()})
     steps["distributed_1x1x1"] = UNetStep(dist_step, ours)
-    if "aside" in ways:  # the target network as it would run were the side stream the default
-        steps["distributed_1x1x1_aside"] = UNetStep(switched(dist_step, ways["aside"]), ours)
+    if "inline" in ways:  # the target network with its maps on the compute stream
+        steps["distributed_1x1x1_inline"] = UNetStep(switched(dist_step, ways["inline"]), ours)
     return steps
 
 

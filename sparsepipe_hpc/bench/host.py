@@ -11,10 +11,13 @@ On an H100 the project's fp16 step ran the same GPU time of kernels as the plain
   step_s      the step (forward + backward from fresh coordinates), CUDA-event timed, median
   issue_s     host seconds until the step returned (its kernels launched, not finished; the
               host syncs inside count), median: near ``step_s``, the device waits on the host
-  functions   one more step under :mod:`cProfile` (Python 3.12 profiles every thread, so the
-              autograd thread's backward functions too): the ``--top`` functions by own time and
+  functions   one more step under :mod:`cProfile`: the ``--top`` functions by own time and
               the project's by total time, seconds per step (the profiler slows the host:
-              compare rows, not totals)
+              compare rows, not totals). It sees the calling thread only; on CUDA autograd
+              runs the backward on a thread of its own, so:
+  backward    one more step under torch's profiler (host side only): the host time of each
+              kind of autograd node's backward (``evaluate_function``: its ops and launches),
+              the ``--top`` by total, and their sum (``total_s``)
 """
 
 from __future__ import annotations
@@ -69,6 +72,20 @@ def _functions(step: Any, device: torch.device, top: int) -> dict[str, list]:
             "ours_by_total": sorted(ours, key=lambda r: -r[3])[:top]}
 
 
+def _backward(step: Any, device: torch.device, top: int) -> dict[str, Any]:
+    """One profiled step: host seconds per kind of autograd node in its backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    node = "autograd::engine::evaluate_function: "
+    rows = [(e.key[len(node):], e.count, e.cpu_time_total / 1e6) for e in prof.key_averages()
+            if e.key.startswith(node)]
+    return {"total_s": sum(r[2] for r in rows), "nodes": sorted(rows, key=lambda r: -r[2])[:top]}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench host")
     p.add_argument("--json")
@@ -121,4 +138,9 @@ def main(argv: list[str]) -> None:
         print(f"{name}: the project's functions by total time")
         for where, calls, own, total in f["ours_by_total"]:
             print(f"  {calls:6d} {own * 1e3:8.2f} {total * 1e3:8.2f}  {where}")
+        b = result["networks"][name]["backward"] = _backward(nets[name], device, args.top)
+        print(f"{name}: backward on the host {b['total_s'] * 1e3:.1f} ms (profiled), by node "
+              f"(calls, ms)")
+        for what, calls, total in b["nodes"]:
+            print(f"  {calls:6d} {total * 1e3:8.2f}  {what}")
         write_json(args.json, result)
