@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -196,6 +197,44 @@ def test_a_nan_loss_stops_the_run_before_a_checkpoint_keeps_it(data, tmp_path, m
     saved = torch.load(tmp_path / "o" / "last.pt", weights_only=False)
     assert saved["step"] == 1
     assert all(torch.isfinite(v).all() for v in saved["model"].values() if v.is_floating_point())
+
+
+def test_fp16_updates_skipped_at_finite_losses_stop_the_run(data, tmp_path, monkeypatch):
+    """Gradients that are inf at every loss scale (here by a hook), the loss finite: the scaler
+    skipped every update, halving its scale, and the run went on to its end without training.
+    It now stops after MAX_SKIPPED_UPDATES skips in a row, weights as they were, by name."""
+    import sparsepipe_hpc.train.loop as loop
+
+    monkeypatch.setattr(loop, "MAX_SKIPPED_UPDATES", 3)
+    trainer = Trainer(tiny(data, tmp_path / "o", "--steps", "30", "--precision", "fp16",
+                           "--eval-every", "0"), MPI.COMM_SELF, log=None)
+    weight = next(trainer.model.parameters())
+    weight.register_hook(lambda g: g * float("inf"))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(loop.DivergedError, match=r"step 3: the loss scaler skipped the last 3 "
+                                                 r"updates in a row .*loss was finite \(loss "
+                                                 r"scale now 8192\).*the weights are finite"):
+        trainer.run()
+    assert all(math.isfinite(r) for r in losses(tmp_path / "o"))
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    trainer.close()
+
+
+def test_fp16_skips_in_a_row_go_into_the_checkpoint():
+    """The count of skipped updates is part of the loss scaler's state, so a resume goes on
+    counting; a checkpoint from before it counts from 0."""
+    from sparsepipe_hpc.train.device import Precision
+
+    a = Precision("fp16", torch.device("cpu"))
+    a.skipped_in_a_row = 5
+    state = a.state_dict()
+    b = Precision("fp16", torch.device("cpu"))
+    b.load_state_dict(state)
+    assert b.skipped_in_a_row == 5 and b.state_dict() == state
+    b.load_state_dict({k: v for k, v in state.items() if k != "skipped_in_a_row"})
+    assert b.skipped_in_a_row == 0
+    assert Precision("fp32", torch.device("cpu")).state_dict() is None
 
 
 def test_a_step_fp16_skips_leaves_batchnorms_statistics_as_they_were(data, tmp_path):

@@ -160,6 +160,7 @@ class Precision:
         self.name, self.device = name, device
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.skipped = False   # whether the last step() skipped the update (fp16 only)
+        self.skipped_in_a_row = 0  # updates skipped since the last one applied (checkpointed)
         if name == "fp16":
             self.scaler = (torch.amp.GradScaler(device.type) if comm is None
                            else AgreedGradScaler(device, comm))
@@ -190,6 +191,7 @@ class Precision:
         self.scaler.unscale_(optimizer)  # here, so fused optimizers see the agreed verdict too
         found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         self.skipped = any(float(v.item()) > 0 for v in found.values())
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if self.skipped else 0
         self.scaler.step(optimizer)
         self.scaler.update()
 
@@ -212,8 +214,12 @@ class Precision:
                     b.copy_(saved)
 
     def state_dict(self) -> Optional[dict[str, Any]]:
-        return self.scaler.state_dict() if self.scaler is not None else None
+        if self.scaler is None:
+            return None
+        return {**self.scaler.state_dict(), "skipped_in_a_row": self.skipped_in_a_row}
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
         if self.scaler is not None and state:
+            state = dict(state)
+            self.skipped_in_a_row = int(state.pop("skipped_in_a_row", 0))  # 0: older checkpoints
             self.scaler.load_state_dict(state)

@@ -73,12 +73,17 @@ from sparsepipe_hpc.train.output import OutputError
 from sparsepipe_hpc.train.step import pipeline_logits, pipeline_step, plain_step
 from sparsepipe_hpc.tracing import Recorder, recording
 
-__all__ = ["Trainer", "SetupError", "DivergedError", "LrSchedule", "MAX_SKIPPED_STEPS"]
+__all__ = ["Trainer", "SetupError", "DivergedError", "LrSchedule", "MAX_SKIPPED_STEPS",
+           "MAX_SKIPPED_UPDATES"]
 
 #: fp16: consecutive steps with a non-finite loss (each skipped by the loss scaler) before the
 #: run stops. A scale that halves each time cures overflowing gradients within a few steps; a
 #: loss that stays NaN or inf comes from the forward pass, which no loss scale reaches.
 MAX_SKIPPED_STEPS = 10
+#: fp16: consecutive updates the loss scaler skipped, whatever the loss, before the run stops. Each
+#: skip halves the scale (from 2**16): after 32 it is 2**-16, where gradients that still overflow
+#: are inf or NaN at any scale, and the run would go on finite losses without ever training.
+MAX_SKIPPED_UPDATES = 32
 
 
 class DivergedError(FloatingPointError):
@@ -559,14 +564,24 @@ class Trainer:
     def _check_finite(self, loss: float) -> None:
         """Raise DivergedError (on every rank: ``loss`` is their sum) for a NaN or inf loss,
         before a checkpoint could keep the weights it made non-finite. Under fp16 the loss
-        scaler skipped that step's update, so only :data:`MAX_SKIPPED_STEPS` in a row stop."""
-        if math.isfinite(loss):
-            self._non_finite = 0
+        scaler skipped that step's update, so only :data:`MAX_SKIPPED_STEPS` in a row stop, or
+        :data:`MAX_SKIPPED_UPDATES` skipped updates in a row whatever the loss (the verdicts are
+        agreed, so every rank stops together)."""
+        finite = math.isfinite(loss)
+        self._non_finite = 0 if finite else self._non_finite + 1
+        skips = self.precision.skipped_in_a_row
+        if finite and skips < MAX_SKIPPED_UPDATES:
             return
-        self._non_finite += 1
         kept = (f"{self.out / ckpt_io.LAST} keeps the last checkpoint written before it"
                 if self._on_disk is not None else "no checkpoint was written")
-        if self.precision.scaler is None:
+        if finite:
+            assert self.precision.scaler is not None  # only fp16 skips updates
+            why = (f"step {self.step}: the loss scaler skipped the last {skips} updates in a row "
+                   f"under --precision fp16 although the loss was finite (loss scale now "
+                   f"{self.precision.scaler.get_scale():g}): the backward pass gives inf or NaN "
+                   f"gradients at every scale, so the run was not training (the weights are "
+                   f"finite, {kept}); try --precision bf16 or fp32, or a lower --lr")
+        elif self.precision.scaler is None:
             why = (f"step {self.step}: the training loss is {loss} (--precision "
                    f"{self.cfg.precision}), so the weights this step updated are not finite; "
                    f"they are not saved ({kept}). Lower --lr (now {self.cfg.lr}), lengthen "
