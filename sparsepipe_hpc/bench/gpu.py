@@ -73,7 +73,8 @@ from sparsepipe_hpc.bench.launches import describe_gap, kernel_gap, step_launche
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.bench._args import positive_int
 
-__all__ = ["main", "build_parser", "synthetic_rooms", "unet_steps", "PRECISIONS"]
+__all__ = ["main", "build_parser", "add_scene_arguments", "bench_device", "synthetic_rooms",
+           "unet_steps", "PRECISIONS"]
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -302,8 +303,9 @@ def _print_table(table: str, name: str, t: dict[str, Any], args: Any) -> None:
               f"{t['torch']['median_s'] * 1e3:.2f} ms")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench gpu")
+def add_scene_arguments(p: argparse.ArgumentParser) -> None:
+    """``--json``, ``--device`` and the scene and U-Net options (issue 10's by default), which
+    ``bench host`` shares."""
     p.add_argument("--json")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--rooms", type=positive_int, default=4)
@@ -311,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--points", type=positive_int, default=2_000_000, help="points per room")
     p.add_argument("--width", type=positive_int, default=32)
     p.add_argument("--depth", type=positive_int, default=4)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench gpu")
+    add_scene_arguments(p)
     p.add_argument("--layer-channels", type=positive_int, default=64)
     p.add_argument("--precisions", default=None,
                    help="comma-separated (default fp32,fp16). spconv 2.3.8 has no bfloat16: under "
@@ -329,15 +336,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def bench_device(name: str) -> torch.device:
+    """``--device`` resolved; on a CPU with one torch thread (spconv's CPU kernels race with
+    more)."""
+    from sparsepipe_hpc.train.device import resolve_device
+
+    device = resolve_device(name)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    return device
+
+
 def main(argv: list[str]) -> None:
     p = build_parser()
     args = p.parse_args(argv)
-
-    from sparsepipe_hpc.train.device import resolve_device
-
-    device = resolve_device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # spconv's CPU kernels race with more
+    device = bench_device(args.device)
     precisions = args.precisions or "fp32,fp16"
     names = [s.strip() for s in precisions.split(",") if s.strip()]
     bad = [s for s in names if s not in PRECISIONS]

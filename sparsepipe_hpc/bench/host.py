@@ -87,14 +87,10 @@ def _backward(step: Any, device: torch.device, top: int) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sparsepipe_hpc.bench.gpu import add_scene_arguments
+
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench host")
-    p.add_argument("--json")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--rooms", type=positive_int, default=4)
-    p.add_argument("--voxel-size", type=float, default=0.02)
-    p.add_argument("--points", type=positive_int, default=2_000_000, help="points per room")
-    p.add_argument("--width", type=positive_int, default=32)
-    p.add_argument("--depth", type=positive_int, default=4)
+    add_scene_arguments(p)
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp16")
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--top", type=positive_int, default=30)
@@ -104,14 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> None:
-    from sparsepipe_hpc.bench.gpu import PRECISIONS, synthetic_rooms, unet_steps
-    from sparsepipe_hpc.train.device import resolve_device
+    from sparsepipe_hpc.bench.gpu import PRECISIONS, bench_device, synthetic_rooms, unet_steps
 
     p = build_parser()
     args = p.parse_args(argv)
-    device = resolve_device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # spconv's CPU kernels race with more
+    device = bench_device(args.device)
     x = synthetic_rooms(args.rooms, args.voxel_size, args.points).to(device)
     nets = unet_steps(x, args.width, args.depth, device, PRECISIONS[args.precision])
     names = [n.strip() for n in args.networks.split(",") if n.strip()]
