@@ -47,7 +47,7 @@ __all__ = ["ASIDE", "aside", "note", "strided_map"]
 
 ASIDE = True  # build strided maps on the side stream (CUDA); see the module docstring
 
-# coords tensor -> the event after which it is ready to read (its producer's stream at record).
+# coords tensor -> (the event after which it is ready to read, its version counter then).
 _ready: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _streams: dict[int, torch.cuda.Stream] = {}
 
@@ -71,15 +71,25 @@ def note(coords: torch.Tensor) -> None:
     """Record that ``coords`` is ready as of now on the current stream: a layer calls this when it
     first meets a tensor (its ``kmaps`` still empty), before it queues any work on it. Called
     again for the same coordinates (a new tensor made on them), the record is renewed, or dropped
-    where it cannot be made (aside off, or a CUDA graph being captured). Coordinates a layer has
-    met are not written in place afterwards (the layers refuse them: :func:`~.kmaps.cached_entry`),
-    so a record never predates their values."""
+    where it cannot be made (aside off, or a CUDA graph being captured). The layers refuse
+    coordinates written in place after they built a map on them (:func:`~.kmaps.cached_entry`),
+    but a strided layer meeting them first does not check: so the record keeps their version
+    counter, and coordinates written since make the side stream wait for everything queued."""
     if not coords.is_cuda:
         return
     if ASIDE and not torch.cuda.is_current_stream_capturing():
-        _ready[coords] = torch.cuda.current_stream(coords.device).record_event()
+        _ready[coords] = (torch.cuda.current_stream(coords.device).record_event(),
+                          _version(coords))
     else:
         _ready.pop(coords, None)
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    """``t``'s version counter (its writes in place); None for an inference tensor (none)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
 
 
 def _side(device: torch.device) -> torch.cuda.Stream:
@@ -106,10 +116,10 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     compute = torch.cuda.current_stream(in_coords.device)
     side = _side(in_coords.device)
     ready = _ready.get(in_coords)
-    if ready is None:
+    if ready is None or ready[1] is None or ready[1] != _version(in_coords):
         side.wait_stream(compute)  # whatever is queued may be what writes them
     else:
-        side.wait_event(ready)
+        side.wait_event(ready[0])
     # The caching allocator frees a block for reuse on the stream that allocated it: keep each
     # block that the other stream reads until that stream's queued work is done (before the
     # build: should it raise, its queued kernels may still read the coordinates).
@@ -118,7 +128,8 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
         out, km = kmap.strided_map(in_coords, *geometry)
         done = side.record_event()
     compute.wait_event(done)
-    for t in (out, km.in_rows, km.out_rows):
-        t.record_stream(compute)
-    _ready[out] = done
+    for t in (out, km.in_rows, km.out_rows, km._offsets):
+        if t is not None:
+            t.record_stream(compute)
+    _ready[out] = (done, _version(out))
     return out, km

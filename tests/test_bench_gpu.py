@@ -453,3 +453,8 @@ def test_host_benchmark_runs_on_cpu_and_names_where_the_host_time_goes(tmp_path)
                          env=repo_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)
     assert bad.returncode == 2 and "--networks: ['nope']" in bad.stderr
+    none = subprocess.run([sys.executable, "-m", "sparsepipe_hpc.bench", "host", "--device",
+                           "cpu", *TINY[:-4], "--networks", " , "],
+                          env=repo_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert none.returncode == 2 and "--networks: none" in none.stderr

@@ -21,6 +21,9 @@ def _same(got: tuple, ref: tuple) -> None:
     assert torch.equal(km.in_rows.cpu(), ref_km.in_rows.cpu())
     assert torch.equal(km.out_rows.cpu(), ref_km.out_rows.cpu())
     assert torch.equal(km.ptr, ref_km.ptr) and (km.n_in, km.n_out) == (ref_km.n_in, ref_km.n_out)
+    offsets = km.pair_offsets()
+    assert offsets.dtype == torch.int64 and offsets.device == km.in_rows.device
+    assert torch.equal(offsets.cpu(), ref_km.pair_offsets())
 
 
 @pytest.mark.parametrize("geometry,out_shape", GEOMETRIES)
@@ -110,22 +113,45 @@ def test_the_compute_stream_waits_for_the_map(gen, monkeypatch):
 
 
 @cuda
-def test_a_map_freed_while_the_compute_stream_reads_it_is_not_reused_early(gen):
+@pytest.mark.parametrize("part", ["in_rows", "pair_offsets"])
+def test_a_map_freed_while_the_compute_stream_reads_it_is_not_reused_early(gen, part):
     """The compute stream's read of a map, queued behind half a second of work, sees its rows
-    even where the map is dropped at once and a second map is built aside (the allocator would
-    hand the first map's memory to the second's without ``record_stream``)."""
+    (and each pair's offset, which the map keeps from its sort for the implicit-GEMM tables)
+    even where the map is dropped at once and more maps are built aside (the allocator would
+    hand the first map's memory to those without ``record_stream``)."""
+    def read(km):
+        return km.in_rows + 0 if part == "in_rows" else km.pair_offsets()
+
     a, b = random_cloud(gen, 4000, shape=(32, 32, 32)), random_cloud(gen, 4000, shape=(32, 32, 32))
-    ref = strided_map(a.coords, 2, 2, 0, 1, (16, 16, 16), 2)[1].in_rows
+    ref = read(strided_map(a.coords, 2, 2, 0, 1, (16, 16, 16), 2)[1])
     with mapstream.aside():
         ca, cb = a.coords.cuda(), b.coords.cuda()
         mapstream.note(ca)
         mapstream.note(cb)
         _, km = mapstream.strided_map(ca, 2, 2, 0, 1, (16, 16, 16), 2)
         _busy()
-        seen = km.in_rows + 0  # runs after the busy kernel
+        seen = read(km)  # runs after the busy kernel
         del km
-        mapstream.strided_map(cb, 2, 2, 0, 1, (16, 16, 16), 2)
+        for _ in range(4):
+            mapstream.strided_map(cb, 2, 2, 0, 1, (16, 16, 16), 2)
     assert torch.equal(seen.cpu(), ref)
+
+
+@cuda
+def test_coordinates_written_in_place_after_their_note_are_read_after_the_write(gen):
+    """A strided layer meeting coordinates first does not refuse ones written in place since a
+    layer noted them: the side stream then waits for the write (queued behind half a second of
+    work), not for the note's event."""
+    x = random_cloud(gen, 4000, shape=(32, 32, 32))
+    ref = strided_map(x.coords, 2, 2, 0, 1, (16, 16, 16), 2)
+    c = torch.zeros_like(x.coords).cuda()
+    torch.cuda.synchronize()
+    with mapstream.aside():
+        mapstream.note(c)
+        _busy()
+        c.copy_(x.coords.cuda())  # in place, after the note
+        got = mapstream.strided_map(c, 2, 2, 0, 1, (16, 16, 16), 2)
+    _same(got, ref)
 
 
 @cuda

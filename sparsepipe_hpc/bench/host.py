@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +38,9 @@ from sparsepipe_hpc.bench.common import environment, write_json
 
 __all__ = ["main", "build_parser"]
 
-_OURS = ("sparsepipe_hpc", "halo")
+_ROOT = Path(__file__).parents[2]  # the checkout: its sparsepipe_hpc/ and halo/
+_OURS = tuple(str(_ROOT / name) + os.sep for name in ("sparsepipe_hpc", "halo"))
+_BENCH = str(_ROOT / "sparsepipe_hpc" / "bench") + os.sep
 
 
 def _issue_times(step: Any, device: torch.device, repeats: int) -> dict[str, float]:
@@ -65,9 +69,12 @@ def _functions(step: Any, device: torch.device, top: int) -> dict[str, list]:
         torch.cuda.synchronize(device)
     prof.disable()
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    rows = [(f"{file.split('site-packages/')[-1]}:{line} {name}", calls, own, total)
-            for (file, line, name), (_, calls, own, total, _) in stats.items()]
-    ours = [r for r in rows if any(f"{p}/" in r[0] for p in _OURS) and "/bench/" not in r[0]]
+    rows, ours = [], []
+    for (file, line, name), (_, calls, own, total, _) in stats.items():
+        row = (f"{file.split('site-packages/')[-1]}:{line} {name}", calls, own, total)
+        rows.append(row)
+        if file.startswith(_OURS) and not file.startswith(_BENCH):
+            ours.append(row)
     return {"by_own": sorted(rows, key=lambda r: -r[2])[:top],
             "ours_by_total": sorted(ours, key=lambda r: -r[3])[:top]}
 
@@ -107,10 +114,11 @@ def main(argv: list[str]) -> None:
     device = bench_device(args.device)
     x = synthetic_rooms(args.rooms, args.voxel_size, args.points).to(device)
     nets = unet_steps(x, args.width, args.depth, device, PRECISIONS[args.precision])
-    names = [n.strip() for n in args.networks.split(",") if n.strip()]
+    names = list(dict.fromkeys(n.strip() for n in args.networks.split(",") if n.strip()))
     unknown = [n for n in names if n not in nets]
-    if unknown:
-        p.error(f"--networks: {unknown} not among this device's networks {sorted(nets)}")
+    if unknown or not names:
+        p.error(f"--networks: {unknown or 'none'} not among this device's networks "
+                f"{sorted(nets)}")
     print(f"{x.num_voxels} voxels, U-Net width {args.width} depth {args.depth}, "
           f"{args.precision} on {device}")
     result: dict[str, Any] = {"env": environment(), "device": str(device),
