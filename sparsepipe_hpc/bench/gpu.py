@@ -15,11 +15,11 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                ``explicit``, strided layers by gather-GEMM-scatter instead of spconv's implicit
                GEMM; ``inline``, their maps on the compute stream instead of a side stream), and
                the distributed model on a 1x1x1 grid (every layer through the spatial path, empty
-               exchanges; also ``distributed_1x1x1_inline``); step time (``--step-repeats`` rounds, every round's
-               kept) and memory, and each one's ratio to plain spconv: time as the median of
-               the rounds' paired ratios, with their range; memory as what a step adds to what
-               was allocated when it started, every model's gradients freed before it, plus its
-               own weights (``step_memory_bytes``; ``peak_bytes`` is the absolute peak). The
+               exchanges; also ``distributed_1x1x1_inline``); step time (``--step-repeats``
+               rounds, every round's kept) and memory, and each one's ratio to plain spconv:
+               time as the median of the rounds' paired ratios, with their range; memory as
+               what a step adds to what was allocated when it started, every model's gradients
+               freed before it, plus its own weights (``step_memory_bytes``; ``peak_bytes`` is the absolute peak). The
                issue's target, <= 1.10 in time and memory for the distributed model
                (``TARGET``), is ``target_met`` where every round's ratio and the memory ratio
                keep to it. The step figures are printed and written before anything else of
