@@ -19,10 +19,10 @@ within each round; the JSON is rewritten after each precision (``complete`` once
                rounds, every round's kept) and memory, and each one's ratio to plain spconv:
                time as the median of the rounds' paired ratios, with their range; memory as
                what a step adds to what was allocated when it started, every model's gradients
-               freed before it, plus its own weights (``step_memory_bytes``; ``peak_bytes`` is the absolute peak). The
-               issue's target, <= 1.10 in time and memory for the distributed model
-               (``TARGET``), is ``target_met`` where every round's ratio and the memory ratio
-               keep to it. The step figures are printed and written before anything else of
+               freed before it, plus its own weights (``step_memory_bytes``; ``peak_bytes`` is
+               the absolute peak). The issue's target, <= 1.10 in time and memory for the
+               distributed model (``TARGET``), is ``target_met`` where every round's ratio and
+               the memory ratio keep to it. The step figures are printed and written before anything else of
                their precision, and a table that fails records its error. ``--triton`` adds
                the plain U-Net written with spconv-triton's layers (``spconv_triton_unet``: a
                pure-Triton drop-in for spconv, GPUs only; Triton tunes each new shape in the
