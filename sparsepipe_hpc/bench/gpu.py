@@ -10,23 +10,22 @@ on a CPU), median of ``--repeats`` rounds after a warm-up, the variants of a tab
 within each round; the JSON is rewritten after each precision (``complete`` once all ran):
 
   steps        per precision (fp32, and fp16/bf16 under torch.autocast): the plain spconv U-Net
-               (:mod:`.spconv_unet`), ``SparseUNet`` on one rank (and ``sparseunet_<variant>``
-               for each other way its layers can run, :func:`._gpu_tables.variants`: on CUDA
+               (:mod:`.spconv_unet`), ``SparseUNet`` on one rank (and ``sparseunet_<variant>`` for
+               each other way its layers can run, :func:`._gpu_tables.variants`: on CUDA
                ``explicit``, strided layers by gather-GEMM-scatter instead of spconv's implicit
-               GEMM; ``inline``, their maps on the compute stream instead of a side stream), and
-               the distributed model on a 1x1x1 grid (every layer through the spatial path, empty
-               exchanges; also ``distributed_1x1x1_inline``); step time (``--step-repeats``
-               rounds, every round's kept) and memory, and each one's ratio to plain spconv:
-               time as the median of the rounds' paired ratios, with their range; memory as
-               what a step adds to what was allocated when it started, every model's gradients
-               freed before it, plus its own weights (``step_memory_bytes``; ``peak_bytes`` is
-               the absolute peak). The issue's target, <= 1.10 in time and memory for the
-               distributed model (``TARGET``), is ``target_met`` where every round's ratio and
-               the memory ratio keep to it. The step figures are printed and written before anything else of
-               their precision, and a table that fails records its error. ``--triton`` adds
-               the plain U-Net written with spconv-triton's layers (``spconv_triton_unet``: a
-               pure-Triton drop-in for spconv, GPUs only; Triton tunes each new shape in the
-               warm-up round).
+               GEMM; ``inline``, their maps on the compute stream instead of a side stream), and the
+               distributed model on a 1x1x1 grid (every layer through the spatial path, empty
+               exchanges; also ``distributed_1x1x1_inline``); step time (``--step-repeats`` rounds,
+               every round's kept) and memory, and each one's ratio to plain spconv: time as the
+               median of the rounds' paired ratios, with their range; memory as what a step adds to
+               what was allocated when it started, every model's gradients freed before it, plus its
+               own weights (``step_memory_bytes``; ``peak_bytes`` is the absolute peak). The issue's
+               target, <= 1.10 in time and memory for the distributed model (``TARGET``), is
+               ``target_met`` where every round's ratio and the memory ratio keep to it. The step
+               figures are printed and written before anything else of their precision, and a table
+               that fails records its error. ``--triton`` adds the plain U-Net written with
+               spconv-triton's layers (``spconv_triton_unet``: a pure-Triton drop-in for spconv,
+               GPUs only; Triton tunes each new shape in the warm-up round).
                ``launches`` (unless ``--no-launches``): per network, the kernels, CUDA runtime
                calls, host synchronizations and torch ops of one more step (:mod:`.launches`),
                what made the project's step slow before (issue 10's profile); ``kernel_gap``:
