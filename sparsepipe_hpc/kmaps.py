@@ -21,6 +21,7 @@ import torch
 
 from halo.kmap import KernelMap, kernel_map
 from sparsepipe_hpc import mapstream
+from sparsepipe_hpc.mapstream import coords_version
 from sparsepipe_hpc.engine.base import Engine
 from sparsepipe_hpc.sparse import SparseTensor
 
@@ -89,15 +90,6 @@ class ConvEntry:
         if self.kmap is None:
             self.kmap = kernel_map(self.in_coords, self.out_coords, *s.geometry)
         return self.kmap
-
-
-def coords_version(coords: torch.Tensor) -> Optional[int]:
-    """``coords``' version counter (torch counts its writes in place); None for an inference
-    tensor, which has none."""
-    try:
-        return int(coords._version)
-    except RuntimeError:
-        return None
 
 
 def cache_key(spec: ConvSpec, stride: int, indice_key: Optional[str] = None) -> str:

@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from halo import kmap
 from halo.kmap import KernelMap
 
-__all__ = ["ASIDE", "aside", "note", "strided_map"]
+__all__ = ["ASIDE", "aside", "note", "strided_map", "coords_version"]
 
 ASIDE = True  # build strided maps on the side stream (CUDA); see the module docstring
 
@@ -79,15 +79,16 @@ def note(coords: torch.Tensor) -> None:
         return
     if ASIDE and not torch.cuda.is_current_stream_capturing():
         _ready[coords] = (torch.cuda.current_stream(coords.device).record_event(),
-                          _version(coords))
+                          coords_version(coords))
     else:
         _ready.pop(coords, None)
 
 
-def _version(t: torch.Tensor) -> Optional[int]:
-    """``t``'s version counter (its writes in place); None for an inference tensor (none)."""
+def coords_version(coords: torch.Tensor) -> Optional[int]:
+    """``coords``' version counter (torch counts its writes in place); None for an inference
+    tensor, which has none."""
     try:
-        return int(t._version)
+        return int(coords._version)
     except RuntimeError:
         return None
 
@@ -116,7 +117,7 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     compute = torch.cuda.current_stream(in_coords.device)
     side = _side(in_coords.device)
     ready = _ready.get(in_coords)
-    if ready is None or ready[1] is None or ready[1] != _version(in_coords):
+    if ready is None or ready[1] is None or ready[1] != coords_version(in_coords):
         side.wait_stream(compute)  # whatever is queued may be what writes them
     else:
         side.wait_event(ready[0])
@@ -131,5 +132,5 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
     for t in (out, km.in_rows, km.out_rows, km._offsets):
         if t is not None:
             t.record_stream(compute)
-    _ready[out] = (done, _version(out))
+    _ready[out] = (done, coords_version(out))
     return out, km

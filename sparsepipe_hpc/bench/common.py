@@ -17,8 +17,8 @@ import torch
 from sparsepipe_hpc.sparse import SparseTensor
 from sparsepipe_hpc.voxelize import voxelize
 
-__all__ = ["synthetic_room", "sync", "time_alternating", "time_step", "paired_ratios", "rotated",
-           "write_json", "environment"]
+__all__ = ["synthetic_room", "sync", "time_once", "time_alternating", "time_step", "paired_ratios",
+           "rotated", "write_json", "environment"]
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_once(fn: Callable[[], Any], device: torch.device
+def time_once(fn: Callable[[], Any], device: torch.device
                ) -> tuple[float, Optional[int], Optional[int]]:
     """Seconds of one ``fn()`` (CUDA events on a GPU, wall clock on a CPU), the peak device
     memory during it and the memory allocated when it started (None, None on a CPU)."""
@@ -92,7 +92,7 @@ def time_alternating(fns: Mapping[str, Callable[[], Any]], device: torch.device,
             fn = fns[name]
             if before is not None:
                 before()
-            t, peak, base = _time_once(fn, device)
+            t, peak, base = time_once(fn, device)
             times[name].append(t)
             if peak is not None and base is not None:
                 peaks[name] = max(peaks[name] or 0, peak)

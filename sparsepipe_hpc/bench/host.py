@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from sparsepipe_hpc.bench._args import positive_int
-from sparsepipe_hpc.bench.common import environment, write_json
+from sparsepipe_hpc.bench.common import environment, time_once, write_json
 
 __all__ = ["main", "build_parser"]
 
@@ -45,11 +45,9 @@ _BENCH = str(_ROOT / "sparsepipe_hpc" / "bench") + os.sep
 
 def _issue_times(step: Any, device: torch.device, repeats: int) -> dict[str, float]:
     """Medians over ``repeats`` steps: device step time, and host time to issue the step."""
-    from sparsepipe_hpc.bench.common import _time_once
-
     steps, issued = [], []
     for _ in range(repeats):
-        steps.append(_time_once(step, device)[0])
+        steps.append(time_once(step, device)[0])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t = time.perf_counter()

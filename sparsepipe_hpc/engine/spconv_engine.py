@@ -100,12 +100,9 @@ def spconv_call(device: torch.device) -> Iterator[None]:
     off = contextlib.nullcontext()
     cast = torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(
         device.type) else off
-    if device.type != "cuda":
-        with single_thread(device), cast:
-            yield
-        return
-    elsewhere = device.index is not None and device.index != torch.cuda.current_device()
-    with cast, (torch.cuda.device(device) if elsewhere else off):
+    elsewhere = (device.type == "cuda" and device.index is not None
+                 and device.index != torch.cuda.current_device())
+    with single_thread(device), cast, (torch.cuda.device(device) if elsewhere else off):
         yield
 
 

@@ -155,6 +155,7 @@ class SpatialGroup:
         (:func:`check_payloads`; ValueError or TypeError on every rank).
         """
         extent = [n * x.stride for n in x.spatial_shape]
+        alone = self.grid.comm.Get_size() == 1  # one box: no checksum to compare, no balancing
 
         def check() -> tuple:
             x.validate("batch")
@@ -163,8 +164,7 @@ class SpatialGroup:
                 raise CutError(f"explicit cuts {cuts} are for a grid {cuts.dims} over extent "
                                f"{cuts.extent}; this group's grid is {self.grid.dims} and the "
                                f"batch's extent {tuple(extent)} (level-0 voxels)")
-            # The checksum is for comparing ranks: a group of one skips its device read.
-            checksum = int(coord_keys(x.coords).sum()) if self.grid.comm.Get_size() > 1 else 0
+            checksum = 0 if alone else int(coord_keys(x.coords).sum())  # a device read
             return (x.num_voxels, checksum, tuple(x.spatial_shape), x.batch_size, x.stride,
                     align, balanced, repr(cuts), len(payloads))
 
@@ -184,13 +184,13 @@ class SpatialGroup:
                       for i, name in enumerate(fields) if len({v[i] for v in seen}) > 1]
             raise CutError(f"the ranks of the spatial group must decompose the same batch with "
                            f"the same options; they differ in {'; '.join(differ)}")
-        if cuts is None and balanced and self.grid.comm.Get_size() > 1:
+        if cuts is None and balanced and not alone:
             # Every rank holds the whole batch: let one rank contribute so each voxel counts once.
             xyz = x.coords[:, 1:] * x.stride
             if self.grid.comm.Get_rank() != 0:
                 xyz = xyz[:0]
             cuts = balanced_cuts(self.grid.comm, xyz, extent, self.grid.dims, align=align)
-        elif cuts is None:  # (one box, balanced or not, where the grid has one rank)
+        elif cuts is None:
             cuts = uniform_cuts(extent, self.grid.dims, align=align)
         return SpatialDomain(self, cuts)
 
