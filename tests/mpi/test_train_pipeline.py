@@ -306,3 +306,36 @@ def test_a_step_fp16_skips_changes_nothing_on_any_stage(comm, shared, tmp_path):
     for k, v in own.items():
         assert torch.equal(v, after_first[k]), (comm.rank, k)
     t.close()
+
+
+@pytest.mark.parametrize("layout", ["stages", "grid"])
+def test_fp16_updates_skipped_on_one_rank_stop_every_rank_together(comm, shared, tmp_path,
+                                                                   monkeypatch, layout):
+    """Gradients inf at every loss scale on rank 0's parameters only (the loss finite): every
+    rank's scaler skips together, and every rank raises DivergedError at the same step after
+    MAX_SKIPPED_UPDATES of them (patched to 3), pipelined or on a spatial grid; none hangs."""
+    import sparsepipe_hpc.train.loop as loop
+
+    if layout == "stages" and comm.size not in LAYOUTS:
+        pytest.skip(f"no one-replica pipeline layout for {comm.size} ranks")
+    if layout == "grid" and comm.size == 1:
+        pytest.skip("a grid of one rank is the serial run")
+    monkeypatch.setattr(loop, "MAX_SKIPPED_UPDATES", 3)
+    if layout == "stages":
+        stages, grid, balance = LAYOUTS[comm.size][0]
+        extra = ("--stages", str(stages), "--grid", grid, "--balance", balance)
+    else:
+        extra = ("--grid", f"{comm.size},1,1")
+    out = Path(comm.bcast(str(tmp_path / "skips") if comm.rank == 0 else None))
+    t = Trainer(config(shared, out, *extra, "--steps", "20", "--precision", "fp16"), comm,
+                log=None)
+    model = t.pipe.blocks if t.pipe is not None else t.model
+    if comm.rank == 0:
+        next(model.parameters()).register_hook(lambda g: g * float("inf"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(loop.DivergedError, match="skipped the last 3 updates in a row"):
+        t.run()
+    assert comm.allgather(t.step) == [3] * comm.size
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), (comm.rank, k)
+    t.close()
