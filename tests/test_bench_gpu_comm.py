@@ -61,6 +61,9 @@ def test_bad_flags_are_refused_with_the_rule():
     out = _bench("--device", "cpu", "--transport", "staged", "--sections", "ranks")
     assert out.returncode == 2
     assert "--transport staged moves CUDA device tensors" in out.stderr, out.stderr
+    out = _bench("--device", "cpu", "--delay-on", "device")
+    assert out.returncode == 2 and "--delay-on device: the mpi transport moves host tensors" \
+        in out.stderr, out.stderr
     out = _bench("--device", "cpu", "--delay-ms", "5", "0")
     assert out.returncode == 2 and "--delay-ms 0.0: each delay must be > 0 ms" in out.stderr
 
@@ -86,6 +89,7 @@ def test_overlap_and_ranks_sections_on_two_cpu_ranks(tmp_path):
     assert r["device"] == "cpu" and r["transport"] == "mpi" and r["world_size"] == 2
     assert r["figures"].startswith("CPU") and "sizes" not in r
     ov = r["overlap"]
+    assert ov["delay_on"] == "host"  # the mpi transport's wait blocks the host: so does its delay
     assert set(ov["variants"]) == {f"{o}_delay{d}ms" for o in ("overlap", "no_overlap")
                                    for d in (0, 30, 60)}
     for row in ov["variants"].values():

@@ -79,6 +79,32 @@ def test_delayed_transport_holds_requests_back(monkeypatch):
     assert clock.slept[1:] == [pytest.approx(0.03)] and picky.delayed == 1
 
 
+def test_delayed_transport_on_a_device_holds_the_compute_stream_not_the_host():
+    """With ``device``, start and wait return at once; the compute stream's work queued after the
+    wait runs only once ``seconds`` have passed since start (on the device's timeline), and test()
+    says so. Other tags are not held; requests in flight together pause side by side."""
+    import time
+
+    from halo.transport.streams import SimDevice
+
+    dev = SimDevice()
+    slow = halo.DelayedTransport(halo.MPITransport(MPI.COMM_SELF), 0.2, tags=[7], device=dev)
+    a, b, seen = torch.ones(3), torch.zeros(3), []
+    t0 = time.monotonic()
+    first = slow.start([(0, a)], [(0, b)], 7)
+    second = slow.start([(0, a)], [(0, torch.zeros(3))], 7)
+    assert not first.test()
+    first.wait()
+    dev.compute.launch(lambda: seen.append(time.monotonic() - t0))
+    second.wait()
+    assert time.monotonic() - t0 < 0.15 and seen == [] and torch.equal(a, b)  # host went on
+    dev.compute.record().synchronize()
+    assert 0.2 <= seen[0] < 0.35  # the two pauses ran side by side, not one after the other
+    assert first.test() and second.test() and slow.delayed == 2
+    plain = slow.start([(0, a)], [(0, b)], 8)  # another tag: the inner request itself
+    assert plain.test() and slow.delayed == 2
+
+
 def test_delayed_transport_hands_progress_and_close_to_the_one_it_wraps():
     """A wrapped staged transport must still hand on its held-back sends, and be closed."""
     calls = []

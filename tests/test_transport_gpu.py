@@ -33,6 +33,38 @@ def test_staged_transport_on_cuda_to_self():
 
 
 @needs_cuda
+def test_a_device_delay_holds_the_compute_stream_for_its_time_and_not_the_host():
+    """DelayedTransport(device=CudaDevice()): the pause is a spinning kernel of the calibrated
+    length on a stream of its own; start and wait return without waiting for it, and the compute
+    stream's work after the wait starts once it is over."""
+    import time
+
+    from mpi4py import MPI
+
+    from halo.transport.delay import DelayedTransport
+    from halo.transport.staged import StagedTransport
+    from halo.transport.mpi import MPITransport
+    from halo.transport.streams import CudaDevice
+
+    dev = CudaDevice()
+    slow = DelayedTransport(StagedTransport(MPITransport(MPI.COMM_SELF), dev), 0.05, device=dev)
+    send = torch.arange(1000, dtype=torch.float32, device="cuda")
+    recv = torch.empty_like(send)
+    slow.start([(0, send)], [(0, recv)], tag=1).wait()  # the first pause times the spin rate
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    t0 = time.perf_counter()
+    slow.start([(0, send)], [(0, recv)], tag=1).wait()
+    host_s = time.perf_counter() - t0
+    b.record()
+    b.synchronize()
+    assert host_s < 0.03  # the host did not sleep through the pause
+    assert 0.04 <= a.elapsed_time(b) / 1e3 < 0.08  # the compute stream waited it out
+    assert torch.equal(recv, send)
+
+
+@needs_cuda
 @needs_cupy
 def test_nccl_world_of_one_send_to_self_and_allreduce():
     from mpi4py import MPI

@@ -58,6 +58,29 @@ def test_without_the_wait_the_copy_races_ahead():
     assert dst.tolist() == [0.0] * 3
 
 
+def test_a_pause_holds_its_stream_back_and_nothing_else():
+    """stream.delay(s): later work on that stream runs s after the stream got there; the host
+    and the other streams go on meanwhile, and synchronize waits the pause out."""
+    import time
+
+    dev = SimDevice()
+    slow, other = dev.new_stream("slow"), dev.new_stream("other")
+    x, y = torch.zeros(1), torch.zeros(1)
+    t0 = time.monotonic()
+    slow.delay(0.2)
+    slow.launch(lambda: x.fill_(1.0))
+    done = slow.record()
+    other.launch(lambda: y.fill_(2.0))
+    dev.compute.wait_event(done)
+    dev.compute.launch(lambda: y.fill_(3.0))
+    assert time.monotonic() - t0 < 0.15  # enqueueing did not block the host
+    assert y.item() == 2.0 and x.item() == 0.0 and not done.query()  # "other" ran, "slow" waits
+    done.synchronize()
+    assert time.monotonic() - t0 >= 0.2 and x.item() == 1.0
+    dev.compute.record().synchronize()
+    assert y.item() == 3.0  # the compute stream's work after its wait ran after the pause
+
+
 def test_an_autonomous_device_runs_its_work_while_the_host_is_away():
     """SimDevice(autonomous=True) ticks from a thread of its own, as a GPU runs without its
     host: lagged work completes with no enqueue or query from the host."""

@@ -20,6 +20,8 @@ device while blocked elsewhere (in MPI) sees its copies still pending, and ``syn
 until they are done. ``SimDevice(lag=k, autonomous=True)`` also ticks on its own, every half
 millisecond, from a thread: its work runs while its host is blocked, as a GPU's does, which a
 peer process waiting on that work (an event another process completes: ``external``) needs.
+``stream.delay(seconds)`` pauses one stream and nothing else (a slow link's transfer, simulated):
+a spinning kernel on CUDA, a timed hold of the queue on the stand-in.
 
 :class:`StagingPool` hands out byte buffers and takes them back with an event: a buffer is reused
 only once that event has completed (the copy out of it or into it has run).
@@ -78,6 +80,12 @@ class Stream(ABC):
     def launch(self, fn: Callable[[], Any]) -> None:
         """Enqueue ``fn``'s torch work on this stream (it allocates from and runs on it)."""
 
+    @abstractmethod
+    def delay(self, seconds: float) -> None:
+        """Enqueue a pause: work enqueued later on this stream starts ``seconds`` after the
+        stream reaches this point, while the host and the other streams go on (a simulated slow
+        link, :class:`~halo.transport.delay.DelayedTransport`)."""
+
 
 class Device(ABC):
     """A device's compute stream, new streams and host staging memory. ``type``: the
@@ -132,6 +140,7 @@ class SimStream(Stream):
         self._device, self.name = device, name
         self._queue: deque[tuple[str, Any, int]] = deque()  # (kind, item, due tick)
         self.held = False
+        self._pause_until: Optional[float] = None  # the head pause's end (time.monotonic)
 
     def _enqueue(self, kind: str, item: Any) -> None:
         with self._device.lock:
@@ -144,6 +153,13 @@ class SimStream(Stream):
             kind, item, due = self._queue[0]
             if (kind == "wait" and not item.done) or due > self._device.clock:
                 break
+            if kind == "pause":  # its time counts from when the stream gets there
+                now = time.monotonic()
+                if self._pause_until is None:
+                    self._pause_until = now + item
+                if now < self._pause_until:
+                    break
+                self._pause_until = None
             self._queue.popleft()
             if kind == "op":
                 item()
@@ -166,11 +182,16 @@ class SimStream(Stream):
     def launch(self, fn: Callable[[], Any]) -> None:
         self._enqueue("op", fn)
 
+    def delay(self, seconds: float) -> None:
+        self._enqueue("pause", float(seconds))
+
     def waits_elsewhere(self) -> bool:
-        """True while an event another process completes (``external``) holds this stream up."""
+        """True while an event another process completes (``external``), or a pause, holds this
+        stream up: either ends without this host's ticks."""
         with self._device.lock:
-            return any(kind == "wait" and getattr(item, "external", False) and not item.done
-                       for kind, item, _ in self._queue)
+            return self._pause_until is not None or any(
+                kind == "wait" and getattr(item, "external", False) and not item.done
+                for kind, item, _ in self._queue)
 
     def hold(self) -> None:
         self.held = True
@@ -265,6 +286,36 @@ class _CudaStream(Stream):
     def launch(self, fn: Callable[[], Any]) -> None:
         with torch.cuda.stream(self.stream):
             fn()
+
+    def delay(self, seconds: float) -> None:
+        """A spinning kernel of one thread block (``torch.cuda._sleep``), its cycles from the
+        rate timed on the first call per device (a host sync then)."""
+        if seconds > 0:
+            cycles = int(seconds * _spin_cycles_per_s(self.stream.device))
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(cycles)
+
+
+_SPIN_RATE: dict[int, float] = {}  # device index -> torch.cuda._sleep's cycles per second
+
+
+def _spin_cycles_per_s(device: torch.device) -> float:
+    """``torch.cuda._sleep``'s cycles per second on ``device`` (it counts the SM clock), timed
+    once by CUDA events: the median of three 2**22-cycle spins, after one to load the kernel."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _SPIN_RATE:
+        cycles, rates = 1 << 22, []
+        with torch.cuda.device(index):
+            torch.cuda._sleep(cycles)
+            for _ in range(3):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                torch.cuda._sleep(cycles)
+                b.record()
+                b.synchronize()
+                rates.append(cycles / (a.elapsed_time(b) / 1e3))
+        _SPIN_RATE[index] = sorted(rates)[1]
+    return _SPIN_RATE[index]
 
 
 class CudaDevice(Device):

@@ -1,6 +1,7 @@
 """Step-time measurements of ``bench gpu-comm``: overlap hidden fraction, n ranks versus 1, trace.
 
     make = halo_factory("staged", CudaDevice(), delay_s=0.002)   # comm -> delayed transport
+    make = halo_factory("staged", CudaDevice(), 0.002, delay_on="host")   # the host sleeps
     ov = overlap_section(MPI.COMM_WORLD, x, unet, device,
                          lambda d: halo_factory("staged", streams, d), [0.002], repeats=5, align=16)
     ov["delays"][0]["hidden_fraction"]      # 1 - (T_on(d) - T_on(0)) / (T_off(d) - T_off(0))
@@ -14,13 +15,16 @@ mpi4py transport (``--device cpu``), which is how the CPU suite checks it; on CU
 H100 (docs/gpu.md).
 
 The injected delay (:class:`~halo.transport.delay.DelayedTransport`, halo tags only) holds each
-halo exchange's ``wait`` on the host until ``d`` seconds after its ``start``: what the caller
-enqueued or computed in between (the interior convolution, with overlap on) hides it. Over the
-staged transport the host also waits, in ``wait``, for the send's device-to-host copy, which
-follows everything enqueued before ``start``: without overlap the GPU then idles through the
-delay, with overlap it runs the interior convolution enqueued after ``start``. Over ipc/nccl the
-host never waits for the GPU, which may run queued work through the delay in both modes; the
-difference between the modes is what overlap adds.
+halo exchange back ``d`` seconds from its ``start``; what the caller enqueued or computed in
+between (the interior convolution, with overlap on) hides it. Over a device transport (staged,
+ipc, nccl) it runs on the device by default (``delay_on="device"``), as a slow link would: a
+stream of its own pauses from the compute stream's point at ``start``, and ``wait`` makes the
+compute stream wait for it besides the transfer. Without overlap the compute stream then idles
+through the pause; with overlap it runs the interior convolution enqueued after ``start``. Over
+the mpi transport (host tensors), or with ``delay_on="host"``, ``wait`` sleeps the host instead:
+on a GPU the device runs through that sleep whatever was queued before (and a shared GPU the
+other ranks' work) in both modes, which an H200 showed (docs/gpu.md): the measure of what
+overlap adds is then lost in the noise.
 """
 
 from __future__ import annotations
@@ -43,15 +47,17 @@ __all__ = ["halo_factory", "time_side_by_side", "hidden_fraction", "median_se",
 Factory = Callable[[Any], Transport]
 
 
-def halo_factory(name: str, streams: Any, delay_s: float) -> Factory:
+def halo_factory(name: str, streams: Any, delay_s: float, delay_on: str = "device") -> Factory:
     """comm -> transport ``name`` over comm (on ``streams``, a Device, for device transports)
-    with every halo exchange held back ``delay_s`` from its start (plans' exchanges are not)."""
+    with every halo exchange held back ``delay_s`` from its start (plans' exchanges are not), on
+    the device where ``delay_on`` is "device" and the transport has one, else on the host."""
     from halo.exchange import EXCHANGE_TAG
     from halo.transport.delay import DelayedTransport
     from halo.transport.select import make_transport
 
+    device = streams if delay_on == "device" and name != "mpi" else None
     return lambda comm: DelayedTransport(make_transport(name, comm, streams), delay_s,
-                                         tags=(EXCHANGE_TAG, EXCHANGE_TAG + 1))
+                                         tags=(EXCHANGE_TAG, EXCHANGE_TAG + 1), device=device)
 
 
 def _idle_barrier(comm: Any) -> None:

@@ -17,7 +17,10 @@ Sections (``--sections``, default all):
            (T_off(d) - T_off(0)), and its standard error from the spread of the step times
            (``hidden_fraction_se``; on an H100 shared by 2 ranks the steps varied by +-50 ms,
            so a 38 ms delay per step gave fractions of -1.4 to 2.2, each +-1). Target on a
-           GPU: >= 0.8. :mod:`._gpu_comm_steps` says how the delay acts on a device transport.
+           GPU: >= 0.8. ``--delay-on``: where the delay runs, ``device`` (a pause on a stream
+           of its own, which the compute stream waits for: the default for device transports)
+           or ``host`` (``wait`` sleeps; the only way for mpi); :mod:`._gpu_comm_steps` says
+           why a host sleep measures a device transport badly.
   ranks    the distributed step on all n ranks versus the plain U-Net on one rank; with the
            ranks sharing one GPU the ratio is about cost, not speed-up (the JSON says which);
            and one more distributed step's kernels, blocking calls and where they come from,
@@ -123,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--repeats", type=positive_int, default=10, help="timed repeats per figure (median)")
     a("--delay-ms", type=float, nargs="+", help="overlap: injected per-halo-exchange delay(s) "
       f"(default {DEFAULT_DELAYS_MS['cuda']} on cuda, {DEFAULT_DELAYS_MS['cpu']} on cpu)")
+    a("--delay-on", choices=("device", "host"), help="overlap: where the delay runs (default "
+      "device for a device transport, host for mpi)")
     a("--voxel-size", type=float, default=0.03, help="scene: metres per voxel")
     a("--points", type=positive_int, default=1_000_000, help="scene: points of the synthetic room")
     a("--width", type=positive_int, default=16)
@@ -156,7 +161,8 @@ def _say_overlap(say: Callable[..., None], ov: dict[str, Any]) -> None:
     say(f"overlap without delay: {ov['without_delay']['saved_s'] * 1e3:.1f} ms saved per step")
     for d in ov["delays"]:
         frac = d["hidden_fraction"]
-        say(f"overlap delay {d['delay_s'] * 1e3:g} ms: {d['injected_s_per_step'] * 1e3:.1f} ms "
+        say(f"overlap delay {d['delay_s'] * 1e3:g} ms on the {ov['delay_on']}: "
+            f"{d['injected_s_per_step'] * 1e3:.1f} ms "
             f"injected per step, {d['added_s_no_overlap'] * 1e3:.1f} ms added without overlap, "
             f"{d['added_s_overlap'] * 1e3:.1f} ms with; hidden fraction "
             + (f"{frac:.2f} +- {d['hidden_fraction_se']:.2f}" if frac is not None
@@ -188,8 +194,10 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
         torch.manual_seed(0)
         return SparseUNet(x.num_channels, 8, width=args.width, depth=args.depth).to(device)
 
+    delay_on = args.delay_on or ("host" if name == "mpi" else "device")
+
     def factory(d: float) -> Any:
-        return steps.halo_factory(name, streams, d)
+        return steps.halo_factory(name, streams, d, delay_on)
 
     from halo.transport.select import make_reducer
 
@@ -201,6 +209,7 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
         result["overlap"] = steps.overlap_section(comm, x, unet, device, factory,
                                                   [d / 1e3 for d in delays], args.repeats, align,
                                                   reducer=reducer)
+        result["overlap"]["delay_on"] = delay_on
         _say_overlap(say, result["overlap"])
         save()
     if "ranks" in sections and n >= 2:
@@ -231,6 +240,9 @@ def main(argv: list[str]) -> None:
     for flag in ("repeats", "points", "width", "depth", "trace_steps", "max_bytes"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} is {getattr(args, flag)}; it must be >= 1")
+    if args.delay_on == "device" and (args.device == "cpu" or args.transport == "mpi"):
+        p.error("--delay-on device: the mpi transport moves host tensors, so its delay runs on "
+                "the host; pass a device transport (staged, ipc, nccl) on --device cuda")
     for d in args.delay_ms or []:
         if not d > 0:
             p.error(f"--delay-ms {d}: each delay must be > 0 ms (the delay overlap hides)")

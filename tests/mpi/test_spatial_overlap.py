@@ -10,6 +10,7 @@ from halo.exchange import EXCHANGE_TAG
 from halo.transport.base import Request, Transport
 from halo.transport.delay import DelayedTransport
 from halo.transport.mpi import MPITransport
+from halo.transport.streams import SimDevice
 from sparsepipe_hpc.nn import SparseUNet
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.layout import RankLayout
@@ -78,7 +79,8 @@ def test_overlap_on_off_and_delay_give_identical_results(comm):
     a = run(comm, True, lambda t: t)
     b = run(comm, False, lambda t: t)
     c = run(comm, True, lambda t: DelayedTransport(t, 0.002))
-    for other in (b, c):
+    d = run(comm, True, lambda t: DelayedTransport(t, 0.002, device=SimDevice()))  # a pause
+    for other in (b, c, d):
         assert torch.equal(a[0], other[0]) and torch.equal(a[1], other[1])
         assert all(torch.equal(p, q) for p, q in zip(a[2], other[2]))
 
