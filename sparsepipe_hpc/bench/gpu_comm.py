@@ -209,7 +209,6 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
         result["overlap"] = steps.overlap_section(comm, x, unet, device, factory,
                                                   [d / 1e3 for d in delays], args.repeats, align,
                                                   reducer=reducer)
-        result["overlap"]["delay_on"] = delay_on
         _say_overlap(say, result["overlap"])
         save()
     if "ranks" in sections and n >= 2:

@@ -117,3 +117,27 @@ def test_a_profile_names_the_parts_of_each_distributed_convolution(comm):
     with Ops():
         run(comm, True, lambda t: t)
     assert not any("record_function" in o for o in ops)
+
+
+def test_the_overlap_benchmark_says_a_device_pause_is_read_by_step_time(comm):
+    """``bench gpu-comm``'s overlap section over a transport whose delay runs on the device (here
+    the CPU stand-in's): it says so, and leaves out the fraction of the host's exposed wait, which
+    a pause on the device never shows in."""
+    from sparsepipe_hpc.bench._gpu_comm_steps import overlap_section
+    from sparsepipe_hpc.bench.common import synthetic_room
+
+    if comm.size < 2:
+        pytest.skip("needs neighbours")
+    x = synthetic_room(voxel_size=0.2, points=5000)
+
+    def unet():
+        torch.manual_seed(0)
+        return SparseUNet(x.num_channels, 4, width=2, depth=2)
+
+    dev = SimDevice()
+    ov = overlap_section(comm, x, unet, torch.device("cpu"),
+                         lambda d: lambda c: DelayedTransport(MPITransport(c), d, device=dev),
+                         [0.001], repeats=1, align=4)
+    assert ov["delay_on"] == "device"
+    assert ov["variants"]["overlap_delay1ms"]["halo_exchanges_per_step"] > 0
+    assert [d["hidden_fraction_of_wait"] for d in ov["delays"]] == [None]
