@@ -378,23 +378,15 @@ def strided_map(in_coords: torch.Tensor, kernel_size: int | Sequence[int],
         raise ValueError(f"strided_map: {int(host[n_k + 2])} of {len(c)} input rows have a batch "
                          f"index outside [0, batch_size={batch_size})")
     dropped = 1 if n_pairs < len(c) else 0  # the slot of key -1
-    uniq = sorted_keys[true_at(first, n_keys)][dropped:]
+    # Each output's coordinates are those of the first input sorted to it (no decoding of keys).
+    heads = by_output[true_at(first, n_keys)[dropped:]]
+    out = torch.cat([c[heads, :1], o[heads]], 1).int()
     row = torch.cumsum(first, 0) - (1 + dropped)  # -1 for the dropped inputs (key -1, first)
     by_offset = by_offset[:n_pairs]
     in_rows = by_output[by_offset]
     ptr = host[:n_k + 1].clone()  # offset j's pairs from its start bounds[j] to bounds[j + 1]
-    out = _decode_linear(uniq, out_shape) if narrow else decode_keys(uniq)
-    return out, KernelMap(in_rows, row[by_offset], ptr, len(c), len(uniq),
+    return out, KernelMap(in_rows, row[by_offset], ptr, len(c), len(out),
                           _offsets=offsets[:n_pairs])
-
-
-def _decode_linear(keys: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """int32 [N, 4] (batch, x, y, z) of :func:`strided_map`'s int32 keys over ``shape``."""
-    cols = []
-    for n in reversed([int(v) for v in shape]):
-        cols.append(keys % n)
-        keys = keys // n
-    return torch.stack([keys, *reversed(cols)], 1).int()
 
 
 def key_batch(keys: torch.Tensor) -> torch.Tensor:
