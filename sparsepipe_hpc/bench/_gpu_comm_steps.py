@@ -52,12 +52,12 @@ Factory = Callable[[Any], Transport]
 def halo_factory(name: str, streams: Any, delay_s: float, delay_on: str = "device") -> Factory:
     """comm -> transport ``name`` over comm (on ``streams``, a Device, for device transports)
     with every halo exchange held back ``delay_s`` from its start (plans' exchanges are not), on
-    the device where ``delay_on`` is "device" and the transport has one, else on the host."""
+    the device where ``delay_on`` is "device" and there is one (``streams``), else on the host."""
     from halo.exchange import EXCHANGE_TAG
     from halo.transport.delay import DelayedTransport
     from halo.transport.select import make_transport
 
-    device = streams if delay_on == "device" and name != "mpi" else None
+    device = streams if delay_on == "device" else None
     return lambda comm: DelayedTransport(make_transport(name, comm, streams), delay_s,
                                          tags=(EXCHANGE_TAG, EXCHANGE_TAG + 1), device=device)
 

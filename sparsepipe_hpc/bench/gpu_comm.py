@@ -194,10 +194,8 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
         torch.manual_seed(0)
         return SparseUNet(x.num_channels, 8, width=args.width, depth=args.depth).to(device)
 
-    delay_on = args.delay_on or ("host" if name == "mpi" else "device")
-
-    def factory(d: float) -> Any:
-        return steps.halo_factory(name, streams, d, delay_on)
+    def factory(d: float) -> Any:  # mpi has no device (streams None): its delay is the host's
+        return steps.halo_factory(name, streams, d, args.delay_on or "device")
 
     from halo.transport.select import make_reducer
 
