@@ -6,15 +6,22 @@
 Rank order is replica-major, then stage, then spatial rank (the Cartesian grid's row-major order),
 so a spatial group is a block of consecutive ranks: on a cluster, neighbouring boxes share a node.
 Every communicator in the project is derived from this one object.
+
+Where the devices differ (BaPipe's setting), which stage runs on which ranks matters; the planner
+may pick another order than the launch's, and the trainer applies it by renumbering the ranks::
+
+    comm = stage_ordered(MPI.COMM_WORLD, layout, (1, 0))   # stage 0 on the ranks launched as
+                                                           # stage 1's, and stage 1 on stage 0's
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
-__all__ = ["RankLayout", "Position", "LayoutError", "parse_grid"]
+__all__ = ["RankLayout", "Position", "LayoutError", "parse_grid", "parse_stage_order",
+           "stage_ordered"]
 
 
 class LayoutError(ValueError):
@@ -39,6 +46,37 @@ def parse_grid(text: str | Sequence[int] | None) -> Optional[tuple[int, int, int
     if len(grid) != 3 or min(grid) < 1:
         raise LayoutError(f"grid must be three positive integers like 2,2,1; got {text!r}")
     return grid  # type: ignore[return-value]
+
+
+def parse_stage_order(text: str | Sequence[int], stages: int, name: str = "stage order"
+                      ) -> tuple[int, ...]:
+    """``"1,0"`` or ``(1, 0)`` -> (1, 0), checked: a permutation of ``0 .. stages - 1``
+    (LayoutError naming ``name``, the rule and the launch's order)."""
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    try:
+        order = tuple(int(p) for p in parts)
+    except ValueError:
+        order = ()
+    if sorted(order) != list(range(stages)):
+        shown = text if isinstance(text, str) else ",".join(map(str, text))
+        raise LayoutError(f"{name} {shown} must list each of the {stages} stage(s) "
+                          f"0..{stages - 1} once ({','.join(map(str, range(stages)))} is the "
+                          f"launch's order)")
+    return order
+
+
+def stage_ordered(comm: Any, layout: "RankLayout", order: Sequence[int]) -> Any:
+    """``comm`` with its ranks renumbered so that stage ``s`` runs on the processes the layout
+    places at stage ``order[s]`` (each keeps its replica and spatial rank). A process keeps its
+    device, so this moves stages between devices. **Collective** (one ``Split``); the caller
+    frees the result.
+    """
+    order = parse_stage_order(order, layout.stages)
+    if comm.Get_size() != layout.size:
+        raise LayoutError(f"the communicator has {comm.Get_size()} ranks, the layout {layout}")
+    launched = layout.position(comm.Get_rank())
+    return comm.Split(0, layout.rank_of(launched.replica, order.index(launched.stage),
+                                        launched.spatial))
 
 
 @dataclass(frozen=True)

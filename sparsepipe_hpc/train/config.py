@@ -28,7 +28,8 @@ from typing import Any, NoReturn, Optional, Sequence
 
 from halo.transport.base import TransportError
 from halo.transport.select import TRANSPORTS, choose_transport
-from sparsepipe_hpc.parallel.layout import LayoutError, RankLayout, parse_grid
+from sparsepipe_hpc.parallel.layout import (LayoutError, RankLayout, parse_grid,
+                                            parse_stage_order)
 from sparsepipe_hpc.sparse import MAX_BATCH
 
 try:
@@ -91,6 +92,7 @@ class TrainConfig:
     replicas: Optional[int] = None
     stages: int = 1
     balance: Optional[str] = None
+    stage_order: Optional[str] = None
     micro_batches: int = 1
     pipeline_schedule: str = "1f1b"
     deferred_bn: bool = False
@@ -263,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "model's blocks cut into S groups of ranks (default 1: no pipeline)")
     g.add_argument("--balance", metavar="N,N,...", help="blocks per pipeline stage, one count "
                    "per stage summing to the model's blocks (default: as equal as counts allow)")
+    g.add_argument("--stage-order", metavar="S,S,...", help="which launched stage's ranks run "
+                   "each pipeline stage (a planner's pick on devices of unequal speed or memory): "
+                   "1,0 runs stage 0 on the ranks launched as stage 1 and stage 1 on stage 0's "
+                   "(default: the launch's order)")
     g.add_argument("--micro-batches", type=_positive_int, metavar="M", help="whole-sample "
                    "micro-batches per replica's batch in the pipeline (default 1); BatchNorm "
                    "normalizes each micro-batch by its own statistics (GPipe's semantics)")
@@ -390,6 +396,8 @@ def resolve(given: dict[str, Any]) -> TrainConfig:
         values["lr"] = values["lr"] * OPTIMIZER_LR_SCALE[values.get("optimizer", "adamw")]
     if values.get("balance") is not None:  # one spelling, for the checkpoint's comparison
         values["balance"] = ",".join(map(str, _balance(values["balance"], None)))
+    if values.get("stage_order") is not None:  # one spelling, as balance
+        values["stage_order"] = ",".join(x.strip() for x in str(values["stage_order"]).split(","))
     cfg = TrainConfig(**values)
     check_input_options(cfg)
     try:
@@ -482,6 +490,16 @@ def _balance(balance: str, stages: Optional[int]) -> tuple[int, ...]:
         raise ConfigError(str(e)) from None
 
 
+def stage_order(cfg: TrainConfig) -> Optional[tuple[int, ...]]:
+    """``--stage-order`` checked against ``--stages`` (ConfigError), or None (the launch's)."""
+    if cfg.stage_order is None:
+        return None
+    try:
+        return parse_stage_order(cfg.stage_order, cfg.stages, name="--stage-order")
+    except LayoutError as e:
+        raise ConfigError(f"{e}; --stages is {cfg.stages}") from None
+
+
 def fit_default_batch(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, Optional[str]]:
     """(``cfg``, note): where ``--batch-size`` was left at its task default and that does not
     split over the job's replicas (``mpirun -n 8`` on the seg default of 4), the least multiple
@@ -534,6 +552,7 @@ def resolve_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     check_input_options(cfg)
     if cfg.balance is not None:  # one block count per stage, also where no pipeline reads it
         _balance(cfg.balance, cfg.stages)
+    stage_order(cfg)
     grid = cfg.grid or (1, 1, 1)
     if cfg.plan_ranks is not None and cfg.plan_ranks != world_size:
         raise ConfigError(f"--plan {cfg.plan} lays out {cfg.plan_ranks} ranks but the job has "

@@ -53,6 +53,7 @@ from halo.transport.collectives import allreduce_
 from launch.env import detect
 from sparsepipe_hpc.parallel.context import ParallelContext
 from sparsepipe_hpc.parallel.gradients import GradientReducer
+from sparsepipe_hpc.parallel.layout import stage_ordered
 from sparsepipe_hpc.pipeline.carry import PipelineError, parse_balance
 from sparsepipe_hpc.pipeline.runner import Pipeline
 from sparsepipe_hpc.train import checkpoint as ckpt_io
@@ -63,7 +64,8 @@ from sparsepipe_hpc.train.agreement import (SetupError, agree, check_grid_fits,
 from sparsepipe_hpc.parallel.input import LocalBatch, read_distributed
 from sparsepipe_hpc.data.prefetch import Prefetcher
 from sparsepipe_hpc.train.config import (ConfigError, TrainConfig, distributed_input,
-                                         local_batch_size, resolve_layout, use_prefetch)
+                                         local_batch_size, resolve_layout, stage_order,
+                                         use_prefetch)
 from sparsepipe_hpc.train.device import Precision, compute_threads, trainer_device
 from sparsepipe_hpc.train.transport import device_comm, trainer_transport
 from sparsepipe_hpc.train.metrics import MetricsLog, format_summary
@@ -130,15 +132,20 @@ class Trainer:
         if cfg.plan == "auto":  # on the threads that will train
             from sparsepipe_hpc.plan.auto import auto_plan
             cfg = auto_plan(cfg, comm, log)
-        self.cfg, self.comm, self.should_stop = cfg, comm, should_stop
+        self.cfg, self.should_stop = cfg, should_stop
         self.layout = resolve_layout(cfg, comm.Get_size())
-        self.is_root = comm.Get_rank() == 0
-        self._log = log if self.is_root else None
         # --device, --precision (sparsepipe_hpc.train.device): a ConfigError on every rank when
         # CUDA is asked for and absent. --transport (halo.transport.select): likewise when a
         # device transport is asked for without CUDA; it moves the spatial grid's halos, and
         # its reducer the layers' and the gradients' all-reduces of device tensors.
-        self.device = trainer_device(cfg, comm)
+        self.device = trainer_device(cfg, comm)  # this process's own, before any renumbering
+        # --stage-order: stage s on the processes (and so the devices) launched as stage
+        # order[s]; every communicator below derives from the renumbered one.
+        order = stage_order(cfg)
+        self._ordered = None if order is None else stage_ordered(comm, self.layout, order)
+        comm = self.comm = comm if self._ordered is None else self._ordered
+        self.is_root = comm.Get_rank() == 0
+        self._log = log if self.is_root else None
         self.precision = Precision(cfg.precision, self.device, comm)
         self.transport = trainer_transport(cfg, self.device, comm)
         self.device_comm = device_comm(self.transport, self.device)
@@ -629,6 +636,9 @@ class Trainer:
         for data in (self.train_set, self.val_set):
             if data is not None:
                 data.close()
+        if self._ordered is not None:
+            self._ordered.Free()
+            self._ordered = None
 
     # --- messages --------------------------------------------------------------------------------
     def _say(self, text: str, bar: Any = None) -> None:
