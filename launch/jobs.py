@@ -247,6 +247,12 @@ def load_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
             or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance)):
         raise LaunchError(f"{where}: balance {balance!r} must list {plan['stages']} positive "
                           "block counts, one per stage")
+    order = plan.get("stage_order", list(range(plan["stages"])))
+    if (not isinstance(order, list) or any(isinstance(o, bool) or not isinstance(o, int)
+                                           for o in order)
+            or sorted(order) != list(range(plan["stages"]))):
+        raise LaunchError(f"{where}: stage_order {order!r} must list each of the "
+                          f"{plan['stages']} stage(s) 0..{plan['stages'] - 1} once")
     if plan.get("pipeline_schedule", "1f1b") not in ("1f1b", "gpipe"):
         raise LaunchError(f"{where}: pipeline_schedule {plan['pipeline_schedule']!r} must be "
                           "1f1b or gpipe")
@@ -261,7 +267,8 @@ def load_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def plan_trainer_args(plan: Mapping[str, Any]) -> list[str]:
-    """The trainer options a plan implies: ``--grid x,y,z --replicas R [--stages S ...]``.
+    """The trainer options a plan implies: ``--grid x,y,z --replicas R [--stages S ...]``
+    (``--stage-order`` where the plan moves stages off the launch's order).
 
     ``--stages`` only for a pipelined plan (stages > 1) and ``--micro-batches`` only when the plan
     has ``micro_batches``, so that plans without a pipeline run on a trainer without one.
@@ -273,6 +280,8 @@ def plan_trainer_args(plan: Mapping[str, Any]) -> list[str]:
         args += ["--micro-batches", str(plan["micro_batches"])]
     if plan["stages"] > 1 and plan.get("balance"):
         args += ["--balance", ",".join(map(str, plan["balance"]))]
+    if list(plan.get("stage_order", range(plan["stages"]))) != list(range(plan["stages"])):
+        args += ["--stage-order", ",".join(map(str, plan["stage_order"]))]
     if "pipeline_schedule" in plan and (plan["stages"] > 1 or plan.get("micro_batches", 1) > 1):
         args += ["--pipeline-schedule", str(plan["pipeline_schedule"])]
     return args

@@ -252,6 +252,14 @@ def test_plan_fills_layout_and_trainer_arguments(tmp_path):
     assert _sbatch(script)["--ntasks"] == "8"
 
 
+def test_plan_that_moves_stages_passes_its_stage_order(tmp_path):
+    moved = load_plan(_plan(tmp_path, replicas=1, stages=2, stage_order=[1, 0]))
+    args = spec_from_plan(moved, scheduler="slurm").trainer_args
+    assert args[args.index("--stage-order") + 1] == "1,0"
+    launch_order = load_plan(_plan(tmp_path, replicas=1, stages=2, stage_order=[0, 1]))
+    assert "--stage-order" not in spec_from_plan(launch_order, scheduler="slurm").trainer_args
+
+
 def test_plan_without_pipeline_adds_no_pipeline_options(tmp_path):
     spec = spec_from_plan(load_plan(_plan(tmp_path)), scheduler="pbs")
     assert spec.trainer_args == ("--grid", "2,2,1", "--replicas", "2")
@@ -268,6 +276,7 @@ def test_plan_on_cpu_ranks(tmp_path):
     ({"grid": [2, 2]}, ["grid [2, 2]", "three positive integers"]),
     ({"replicas": 0}, ["replicas", ">= 1"]),
     ({"stages": "2"}, ["stages", "'2'"]),
+    ({"stage_order": [0, 0]}, ["stage_order [0, 0]", "each of the 1 stage(s)"]),
 ])
 def test_bad_plans_are_named(tmp_path, values, words):
     with pytest.raises(LaunchError) as info:

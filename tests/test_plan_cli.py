@@ -34,6 +34,11 @@ def test_read_plan_and_layout_options(tmp_path):
                                     "micro_batches": 2, "balance": "5,3",
                                     "pipeline_schedule": "gpipe"}
     assert read_plan(_write(tmp_path, PIPE, wrap=False)) == plan
+    # A stage order off the launch's becomes --stage-order; the launch's own sets nothing.
+    moved = read_plan(_write(tmp_path, {**PIPE, "stage_order": [1, 0]}))
+    assert layout_options(moved)["stage_order"] == "1,0"
+    assert "stage_order" not in layout_options(read_plan(_write(tmp_path, {**PIPE,
+                                                                           "stage_order": [0, 1]})))
 
 
 @pytest.mark.parametrize("change, words", [
@@ -42,6 +47,8 @@ def test_read_plan_and_layout_options(tmp_path):
     ({"replicas": 0}, "replicas is 0"),
     ({"ranks": 3}, "ranks 3 but replicas 1 x stages 2 x grid 1x1x1 = 2"),
     ({"pipeline_schedule": "zigzag"}, "must be 1f1b or gpipe"),
+    ({"stage_order": [1, 1]}, "stage_order [1, 1] must list each of the 2 stage(s) 0..1 once"),
+    ({"stage_order": "1,0"}, "stage_order '1,0' must list each of the 2 stage(s)"),
 ])
 def test_bad_plans_are_named(tmp_path, change, words):
     with pytest.raises(PlanFileError, match=re.escape(words)) as info:

@@ -9,7 +9,8 @@ import pytest
 from sparsepipe_hpc.plan.cost import Link, pipeline_step_time, ring_allreduce_time
 from sparsepipe_hpc.plan.machine import Machine
 from sparsepipe_hpc.plan.profile import BlockProfile, Fit, ModelProfile
-from sparsepipe_hpc.plan.search import SearchError, evaluate, grids, search
+from sparsepipe_hpc.plan.search import (SearchError, evaluate, grids, search,
+                                        stage_orders)
 
 LINK = Link(alpha=1e-4, beta=1e-9)
 
@@ -248,3 +249,59 @@ def test_a_pipelines_step_is_its_schedules_simulated_time():
     steps = {kind: evaluate(prof, m, 1, 3, (1, 1, 1), 3, 3, schedule=kind).step_time
              for kind in ("gpipe", "1f1b")}
     assert steps == pytest.approx({"gpipe": 33.0, "1f1b": 27.0})
+
+
+def test_the_search_moves_the_first_stage_to_the_device_with_room():
+    """Under 1F1B the first stage holds the most micro-batches: on devices of unequal memory the
+    launch's order (stage 0 on the small one) forces a slower split than the reverse (BaPipe)."""
+    prof = profile(act=1.0)  # each block holds 1 byte per voxel per micro-batch in flight
+    small_first = Machine.from_options(2, 1.0, memory="9e3,1e12", ranks_per_node=2,
+                                       intra=LINK, inter=LINK)
+    assert stage_orders(small_first, 1, 2, (1, 1, 1)) == [(0, 1), (1, 0)]
+    launch = evaluate(prof, small_first, 1, 2, (1, 1, 1), 4, 4, stage_order=(0, 1))
+    moved = evaluate(prof, small_first, 1, 2, (1, 1, 1), 4, 4, stage_order=(1, 0))
+    assert (launch.balance, moved.balance) == ((1, 3), (3, 1))
+    assert moved.step_time < launch.step_time
+    best = search(prof, small_first, batch_size=4, fixed={"stages": 2, "micro_batches": 4})
+    chosen = best.plans[0]
+    assert chosen.stage_order == (1, 0) and chosen.step_time == pytest.approx(moved.step_time)
+    assert chosen.trainer_args()[-2:] == ["--stage-order", "1,0"]
+    assert chosen.to_dict()["stage_order"] == [1, 0]
+    # Too small for stage 0 in the launch's order at all: only the reverse fits.
+    tight = Machine.from_options(2, 1.0, memory="5e3,1e12", ranks_per_node=2, intra=LINK,
+                                 inter=LINK)
+    assert evaluate(prof, tight, 1, 2, (1, 1, 1), 4, 4).stage_order == (1, 0)
+    # A fixed order is kept; one that is no permutation is refused.
+    kept = search(prof, small_first, batch_size=4, fixed={"stage_order": (0, 1),
+                                                          "micro_batches": 4}).plans[0]
+    assert (kept.stages, kept.stage_order) == (2, (0, 1))
+    with pytest.raises(SearchError, match="stage order 1,1 must list each of the 2 stage"):
+        evaluate(prof, small_first, 1, 2, (1, 1, 1), 4, 4, stage_order=(1, 1))
+
+
+def test_stage_orders_tried_only_where_the_stage_groups_differ():
+    uniform = Machine.uniform(8, 4, intra=LINK, inter=LINK)   # two nodes, one kind of device
+    assert stage_orders(uniform, 1, 4, (2, 1, 1)) == [(0, 1, 2, 3)]
+    # Groups of two ranks (2 replicas): stage groups {0, 2} and {1, 3}; equal groups swap as one.
+    mixed = Machine.from_options(4, "1,0.5,1,0.5", ranks_per_node=4, intra=LINK, inter=LINK)
+    assert stage_orders(mixed, 2, 2, (1, 1, 1)) == [(0, 1), (1, 0)]
+    halves = Machine.from_options(8, "1,1,1,1,0.5,0.5,0.5,0.5", ranks_per_node=8, intra=LINK,
+                                  inter=LINK)
+    orders = stage_orders(halves, 1, 8, (1, 1, 1))
+    assert len(orders) == 70 and orders[0] == tuple(range(8))  # 8! / (4! 4!), launch's first
+    assert stage_orders(halves, 1, 8, (1, 1, 1), max_orders=69) == [tuple(range(8))]
+    # Uniform blocks on a slow and a fast device: either order splits as well; the launch's wins.
+    slow = Machine.from_options(2, "1,0.5", ranks_per_node=2, intra=LINK, inter=LINK)
+    assert evaluate(profile(), slow, 1, 2, (1, 1, 1), 2, 2).stage_order == (0, 1)
+
+
+def test_the_plan_table_shows_an_order_column_only_where_a_plan_moves_stages():
+    from sparsepipe_hpc.plan.cli import format_table
+
+    prof = profile(act=1.0)
+    m = Machine.from_options(2, 1.0, memory="9e3,1e12", ranks_per_node=2, intra=LINK, inter=LINK)
+    moved = evaluate(prof, m, 1, 2, (1, 1, 1), 4, 4)
+    kept = evaluate(prof, m, 1, 2, (1, 1, 1), 4, 4, stage_order=(0, 1))
+    head, first, second = format_table([moved, kept]).splitlines()
+    assert head.split()[6] == "order" and first.split()[6] == "1,0" and second.split()[6] == "-"
+    assert "order" not in format_table([kept])

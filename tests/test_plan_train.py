@@ -25,14 +25,15 @@ def _train(tmp_path, *args, n=2):
 
 def test_plan_file_runs_the_planned_pipeline(tmp_path):
     plan = {"plans": [{"replicas": 1, "stages": 2, "grid": [1, 1, 1], "micro_batches": 2,
-                       "balance": [5, 3], "pipeline_schedule": "gpipe", "ranks": 2}]}
+                       "balance": [5, 3], "stage_order": [1, 0], "pipeline_schedule": "gpipe",
+                       "ranks": 2}]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     proc, _ = _train(tmp_path, "--plan", "plan.json", "--out", "run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "1 replica(s) x 2 stage(s) x grid 1x1x1 = 2 ranks" in proc.stdout
+    assert "1 replica(s) x 2 stage(s) x grid 1x1x1 = 2 ranks, stage order 1,0" in proc.stdout
     opts = json.loads((tmp_path / "run" / "config.json").read_text())["options"]
-    assert (opts["balance"], opts["micro_batches"], opts["pipeline_schedule"]) == \
-        ("5,3", 2, "gpipe")
+    assert (opts["balance"], opts["stage_order"], opts["micro_batches"],
+            opts["pipeline_schedule"]) == ("5,3", "1,0", 2, "gpipe")
 
 
 def test_plan_auto_keeps_explicit_options_and_trains(tmp_path):

@@ -59,7 +59,7 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3,
     fixed: dict[str, Any] = {}
     for key in cfg.plan_fixed:
         value = getattr(cfg, key)
-        if key == "balance" and value is not None:
+        if key in ("balance", "stage_order") and value is not None:
             value = tuple(int(v) for v in str(value).split(","))
         fixed[key] = value
     fixed.pop("pipeline_schedule", None)
@@ -104,6 +104,8 @@ def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
             f"per step on {plan.ranks} rank(s))")
     changes = {"replicas": plan.replicas, "stages": plan.stages, "grid": plan.grid,
                "micro_batches": plan.micro_batches,
-               "balance": ",".join(map(str, plan.balance)) if plan.stages > 1 else cfg.balance}
+               "balance": ",".join(map(str, plan.balance)) if plan.stages > 1 else cfg.balance,
+               "stage_order": (",".join(map(str, plan.stage_order))
+                               if "--stage-order" in plan.trainer_args() else None)}
     return dataclasses.replace(cfg, plan_ranks=comm.Get_size(),
                                **{k: v for k, v in changes.items() if k not in cfg.plan_fixed})

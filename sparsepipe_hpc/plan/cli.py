@@ -183,15 +183,18 @@ def _mib(b: float) -> str:
 
 
 def format_table(plans: Sequence[Any]) -> str:
-    """The chosen plan and runners-up as an aligned text table (seconds per step, MiB)."""
-    head = ("#", "replicas", "stages", "grid", "micro", "balance", "step s", "compute s",
-            "halo s", "split s", "transfer s", "allreduce s", "mem MiB")
+    """The chosen plan and runners-up as an aligned text table (seconds per step, MiB); an
+    ``order`` column (``--stage-order``) where a plan moves stages off the launch's order."""
+    moved = [p.stage_order and list(p.stage_order) != list(range(p.stages)) for p in plans]
+    head = ("#", "replicas", "stages", "grid", "micro", "balance") + ("order",) * any(moved) + (
+        "step s", "compute s", "halo s", "split s", "transfer s", "allreduce s", "mem MiB")
     rows = [head]
-    for k, p in enumerate(plans):
+    for k, (p, m) in enumerate(zip(plans, moved)):
+        order = (",".join(map(str, p.stage_order)) if m else "-",) * any(moved)
         rows.append((str(k) if k else "chosen", str(p.replicas), str(p.stages),
                      "x".join(map(str, p.grid)), str(p.micro_batches),
-                     ",".join(map(str, p.balance)), f"{p.step_time:.4g}",
-                     f"{max(p.compute):.3g}", f"{max(p.halo):.3g}",
+                     ",".join(map(str, p.balance))) + order + (
+                     f"{p.step_time:.4g}", f"{max(p.compute):.3g}", f"{max(p.halo):.3g}",
                      f"{max(p.split, default=0.0):.3g}", f"{max(p.transfer):.3g}",
                      f"{max(p.allreduce):.3g}", _mib(max(p.memory))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]

@@ -98,7 +98,7 @@ from sparsepipe_hpc.plan.cost import Link, pipeline_step_time
 
 __all__ = ["Block", "Device", "Partition", "PartitionError", "LinkSpec", "InflightFn",
            "inflight_1f1b", "inflight_gpipe", "partition_stages", "partition_stages_best_order",
-           "segment_sums"]
+           "segment_sums", "distinct_orders", "STEP_RTOL"]
 
 InflightFn = Callable[[int, int, int], int]
 #: Step times within this relative distance of the least are ties (the same times summed in
@@ -519,7 +519,7 @@ def partition_stages(blocks: Sequence[Block], devices: Sequence[Device],
     return p
 
 
-def _orders(classes: list[int]) -> Iterator[tuple[int, ...]]:
+def distinct_orders(classes: list[int]) -> Iterator[tuple[int, ...]]:
     """Distinct permutations of a multiset of class ids, in lexicographic order."""
     counts = [classes.count(c) for c in range(max(classes) + 1)]
     perm: list[int] = []
@@ -573,7 +573,7 @@ def partition_stages_best_order(blocks: Sequence[Block], devices: Sequence[Devic
     tab = _Tables(blocks)
     ex = None if extra is None else _extra(extra, len(blocks))
     found: list[Partition] = []
-    for perm in _orders(classes):
+    for perm in distinct_orders(classes):
         seen = [0] * len(kinds)
         order = []
         for c in perm:              # the n-th stage of class c gets its n-th device in input order

@@ -8,7 +8,8 @@ A plan file is the first entry of ``python -m sparsepipe_hpc.plan --json FILE``'
 or the object itself (``{"chosen": {...}}`` is read too)::
 
     {"ranks": 4, "replicas": 1, "stages": 2, "grid": [2, 1, 1], "micro_batches": 4,
-     "balance": [5, 3], "pipeline_schedule": "1f1b", "nodes": 1, "gpus_per_node": 4, ...}
+     "balance": [5, 3], "stage_order": [1, 0], "pipeline_schedule": "1f1b", "nodes": 1,
+     "gpus_per_node": 4, ...}
 
 Only the layout keys matter to the trainer (:data:`LAYOUT_FLAGS`); the predictions beside them are
 for people. Pure: no MPI, so every rank reads the same file and raises the same error.
@@ -25,8 +26,8 @@ __all__ = ["PlanFileError", "read_plan", "layout_options", "check_plan", "LAYOUT
 
 #: Trainer option (TrainConfig field) -> its flag, for every value a plan sets.
 LAYOUT_FLAGS = {"replicas": "--replicas", "stages": "--stages", "grid": "--grid",
-                "balance": "--balance", "micro_batches": "--micro-batches",
-                "pipeline_schedule": "--pipeline-schedule"}
+                "balance": "--balance", "stage_order": "--stage-order",
+                "micro_batches": "--micro-batches", "pipeline_schedule": "--pipeline-schedule"}
 
 
 class PlanFileError(ValueError):
@@ -62,6 +63,12 @@ def check_plan(plan: Mapping[str, Any], where: str = "plan") -> dict[str, Any]:
                 or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in bal)):
             raise PlanFileError(f"{where}: balance {bal!r} must list {plan['stages']} positive "
                                 f"block counts, one per stage")
+    order = plan.get("stage_order", list(range(plan["stages"])))
+    if (not isinstance(order, list) or any(isinstance(o, bool) or not isinstance(o, int)
+                                           for o in order)
+            or sorted(order) != list(range(plan["stages"]))):
+        raise PlanFileError(f"{where}: stage_order {order!r} must list each of the "
+                            f"{plan['stages']} stage(s) 0..{plan['stages'] - 1} once")
     if plan.get("pipeline_schedule", "1f1b") not in ("1f1b", "gpipe"):
         raise PlanFileError(f"{where}: pipeline_schedule {plan['pipeline_schedule']!r} must be "
                             f"1f1b or gpipe")
@@ -97,6 +104,8 @@ def layout_options(plan: Mapping[str, Any]) -> dict[str, Any]:
         out["micro_batches"] = plan["micro_batches"]
     if plan["stages"] > 1 and "balance" in plan:
         out["balance"] = ",".join(map(str, plan["balance"]))
+    if list(plan.get("stage_order", range(plan["stages"]))) != list(range(plan["stages"])):
+        out["stage_order"] = ",".join(map(str, plan["stage_order"]))
     if "pipeline_schedule" in plan:
         out["pipeline_schedule"] = plan["pipeline_schedule"]
     return out

@@ -46,6 +46,13 @@ hold one stride block each (``g_a <= E_a / total_stride``), every ``m`` in
 1, 2, 4, ... and ``n`` up to ``n`` (or ``max_micro_batches``); ``batch_size % R == 0``. Plans that
 fit no partition in memory are left out (counted in :attr:`SearchResult.rejected`). The first plan
 is the fastest; ties go to fewer stages, then fewer micro-batches, then more replicas.
+
+Stage order (BaPipe's devices of unequal speed or memory): where the stages' rank groups differ,
+each candidate is predicted for every distinct order of the groups (:func:`stage_orders`; stage
+``s`` on the group launched as stage ``order[s]``) and keeps the fastest, the launch's order on
+ties. Order matters through memory (under 1F1B the first stages hold the most micro-batches),
+speeds against the blocks' granularity, and links. The plan's ``stage_order`` is the trainer's
+``--stage-order``, which renumbers the ranks so that each stage runs where the plan put it.
 """
 
 from __future__ import annotations
@@ -61,16 +68,19 @@ from sparsepipe_hpc.plan.cost import (OPTIMIZER_FACTOR, Link, bubble_fraction, h
                                       halo_time, largest_share, ring_allreduce_time,
                                       surface_voxels)
 from sparsepipe_hpc.plan.machine import Machine
-from sparsepipe_hpc.plan.partition import (Block, Device, Partition, PartitionError,
-                                           inflight_1f1b, inflight_gpipe, partition_stages,
-                                           segment_sums)
+from sparsepipe_hpc.parallel.layout import LayoutError, parse_stage_order
+from sparsepipe_hpc.plan.partition import (STEP_RTOL, Block, Device, Partition, PartitionError,
+                                           distinct_orders, inflight_1f1b, inflight_gpipe,
+                                           partition_stages, segment_sums)
 from sparsepipe_hpc.plan.profile import ModelProfile
 
+#: More distinct stage orders than this: only the launch's is predicted (one DP each).
+MAX_STAGE_ORDERS = 5040
 #: The pipeline schedules, by the trainer's --pipeline-schedule name: micro-batches in flight.
 SCHEDULES = {"1f1b": inflight_1f1b, "gpipe": inflight_gpipe}
 
-__all__ = ["Plan", "SearchResult", "SearchError", "search", "evaluate", "grids", "divisors",
-           "simulated_pipeline"]
+__all__ = ["Plan", "SearchResult", "SearchError", "search", "evaluate", "stage_orders", "grids",
+           "divisors", "simulated_pipeline", "MAX_STAGE_ORDERS"]
 
 
 class SearchError(ValueError):
@@ -98,6 +108,7 @@ class Plan:
     voxels_per_rank: float
     split: tuple[float, ...] = ()
     core_share: float = 1.0
+    stage_order: tuple[int, ...] = ()  # stage s on the ranks launched as stage stage_order[s]
 
     @property
     def ranks(self) -> int:
@@ -111,11 +122,14 @@ class Plan:
                      "--pipeline-schedule", self.pipeline_schedule]
         if self.stages > 1:
             args += ["--balance", ",".join(map(str, self.balance))]
+        if self.stage_order and self.stage_order != tuple(range(self.stages)):
+            args += ["--stage-order", ",".join(map(str, self.stage_order))]
         return args
 
     def to_dict(self, machine: Optional[Machine] = None) -> dict[str, Any]:
         d = asdict(self)
         d["grid"] = list(self.grid)
+        d["stage_order"] = list(self.stage_order or range(self.stages))
         d["ranks"] = self.ranks
         per = 0 if machine is None else min(machine.ranks_per_node, self.ranks)
         if per and self.ranks % per == 0:  # what `python -m launch job --plan` needs: a job
@@ -159,16 +173,85 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
              schedule: str = "1f1b", imbalance: float = 1.0, optimizer: str = "adamw",
              voxels_per_sample: Optional[float] = None,
              extent: Optional[Sequence[int]] = None,
-             balance: Optional[Sequence[int]] = None) -> Plan:
+             balance: Optional[Sequence[int]] = None,
+             stage_order: Optional[Sequence[int]] = None) -> Plan:
     """Predict one candidate (see the module); raises PartitionError when nothing fits memory.
 
-    balance: a fixed partition (blocks per stage) instead of the exact search's.
+    balance: a fixed partition (blocks per stage) instead of the exact search's. stage_order:
+    stage ``s`` on the ranks the layout places at stage ``stage_order[s]`` (the trainer's
+    ``--stage-order``); None: the best of :func:`stage_orders` (the launch's order on ties).
     """
     g = (int(grid[0]), int(grid[1]), int(grid[2]))
-    G = math.prod(g)
-    ranks = replicas * stages * G
+    ranks = replicas * stages * math.prod(g)
     if ranks > machine.ranks:
         raise SearchError(f"the plan uses {ranks} ranks but the machine has {machine.ranks}")
+    args = (profile, machine, replicas, stages, g, micro_batches, batch_size, schedule,
+            imbalance, optimizer, voxels_per_sample, extent, balance)
+    if stage_order is not None:
+        try:
+            order = parse_stage_order(stage_order, stages)
+        except LayoutError as e:
+            raise SearchError(str(e)) from None
+        return _evaluate(*args, order)
+    best: Optional[Plan] = None
+    failed: Optional[PartitionError] = None
+    for order in stage_orders(machine, replicas, stages, g):
+        try:
+            p = _evaluate(*args, order)
+        except PartitionError as e:
+            failed = failed or e
+            continue
+        if best is None or p.step_time < best.step_time * (1 - STEP_RTOL):
+            best = p
+    if best is None:
+        assert failed is not None
+        raise failed
+    return best
+
+
+def stage_orders(machine: Machine, replicas: int, stages: int, grid: Sequence[int],
+                 max_orders: int = MAX_STAGE_ORDERS) -> list[tuple[int, ...]]:
+    """The stage orders worth predicting, the launch's first: every distinct order of the
+    stages' rank groups where the groups' devices differ in speed or memory (groups whose ranks
+    have equal devices, nodes included, are interchangeable); the launch's order alone where
+    they do not, or where there are more than ``max_orders`` distinct orders."""
+    G = math.prod(grid)
+    identity = tuple(range(stages))
+    groups = [tuple(machine.devices[(r * stages + s) * G + i] for r in range(replicas)
+                    for i in range(G)) for s in range(stages)]
+    if len({tuple((d.speed, d.memory) for d in grp) for grp in groups}) == 1:
+        return [identity]
+    kinds: list[tuple[Device, ...]] = []
+    for grp in groups:
+        if grp not in kinds:
+            kinds.append(grp)
+    classes = [kinds.index(grp) for grp in groups]
+    count = math.factorial(stages)
+    for c in range(len(kinds)):
+        count //= math.factorial(classes.count(c))
+    if count > max_orders:
+        return [identity]
+    members = [[s for s, c in enumerate(classes) if c == k] for k in range(len(kinds))]
+    orders = []
+    for perm in distinct_orders(classes):
+        seen = [0] * len(kinds)
+        order = []
+        for c in perm:  # the n-th stage of class c runs on its n-th group in launch order
+            order.append(members[c][seen[c]])
+            seen[c] += 1
+        orders.append(tuple(order))
+    orders.sort(key=lambda o: o != identity)  # the launch's first: it wins ties
+    return orders
+
+
+def _evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int,
+              g: tuple[int, int, int], micro_batches: int, batch_size: int, schedule: str,
+              imbalance: float, optimizer: str, voxels_per_sample: Optional[float],
+              extent: Optional[Sequence[int]], balance: Optional[Sequence[int]],
+              order: tuple[int, ...]) -> Plan:
+    """:func:`evaluate` of one stage order."""
+    G = math.prod(g)
+    ranks = replicas * stages * G
     if batch_size % replicas:
         raise SearchError(f"batch_size {batch_size} does not split over {replicas} replicas")
     local = batch_size // replicas
@@ -181,8 +264,8 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
     share = largest_share(g, imbalance)
     v = V * share
 
-    def rank(r: int, s: int, i: int) -> int:
-        return r * stages * G + s * G + i
+    def rank(r: int, s: int, i: int) -> int:  # rank i of stage s of replica r, as ordered
+        return r * stages * G + order[s] * G + i
 
     per_node: dict[int, int] = {}
     for d in machine.devices[:ranks]:
@@ -266,7 +349,8 @@ def evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: int
                               for c, h, x, d in zip(p.compute, halo_s, split_s, devs)),
                 transfer=p.transfer, halo=tuple(halo_s),
                 allreduce=ar, update=upd, memory=p.memory, voxels_per_rank=v,
-                split=tuple(x / d.speed for x, d in zip(split_s, devs)), core_share=core)
+                split=tuple(x / d.speed for x, d in zip(split_s, devs)), core_share=core,
+                stage_order=order)
 
 
 def simulated_pipeline(p: Partition, forward_share: Sequence[float], schedule: str) -> float:
@@ -306,7 +390,7 @@ def search(profile: ModelProfile, machine: Machine, batch_size: int,
            fixed: Optional[dict[str, Any]] = None, max_batch: int = 256) -> SearchResult:
     """Every candidate of the module docstring on ``ranks`` (default: the machine's), fastest
     first. fixed: layout values to keep (``replicas``, ``stages``, ``grid``, ``micro_batches``,
-    ``balance``, which also fixes ``stages``), e.g. the options a user set. Raises
+    ``balance`` and ``stage_order``, which also fix ``stages``), e.g. the options a user set. Raises
     :class:`SearchError` when none fits."""
     n = ranks or machine.ranks
     if n < 1 or n > machine.ranks:
@@ -316,11 +400,12 @@ def search(profile: ModelProfile, machine: Machine, batch_size: int,
     if optimizer not in OPTIMIZER_FACTOR:
         raise SearchError(f"optimizer {optimizer!r} must be one of {sorted(OPTIMIZER_FACTOR)}")
     fixed = dict(fixed or {})
-    if fixed.get("balance") is not None:  # a fixed partition fixes the stage count
-        nb = len(fixed["balance"])
-        if fixed.setdefault("stages", nb) != nb:
-            raise SearchError(f"balance {tuple(fixed['balance'])} names {nb} stage(s) but "
-                              f"stages is {fixed['stages']}; give one block count per stage")
+    for key in ("balance", "stage_order"):  # a fixed partition or order fixes the stage count
+        if fixed.get(key) is not None:
+            nb = len(fixed[key])
+            if fixed.setdefault("stages", nb) != nb:
+                raise SearchError(f"{key} {tuple(fixed[key])} names {nb} stage(s) but stages "
+                                  f"is {fixed['stages']}; give one entry per stage")
     ext = tuple(extent or profile.extent)
     plans: list[Plan] = []
     rejected: dict[str, int] = {}
@@ -343,7 +428,8 @@ def search(profile: ModelProfile, machine: Machine, batch_size: int,
                     try:
                         plans.append(evaluate(profile, machine, R, S, g, m, batch_size, schedule,
                                               imbalance, optimizer, voxels_per_sample, ext,
-                                              fixed.get("balance") if S > 1 else None))
+                                              fixed.get("balance") if S > 1 else None,
+                                              fixed.get("stage_order")))
                     except PartitionError as e:
                         key = str(e).split("; ")[0]  # the reason, without the remedy
                         rejected[key] = rejected.get(key, 0) + 1

@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "off: the run then equals one process with the same --micro-batches); loss "
                    "and gradients are the same either way")
     g.add_argument("--plan", metavar="FILE|auto", help="take --replicas, --grid, --stages, "
-                   "--balance, --micro-batches and --pipeline-schedule from a planner's JSON "
+                   "--balance, --stage-order, --micro-batches and --pipeline-schedule from a "
+                   "planner's JSON "
                    "(python -m sparsepipe_hpc.plan --json FILE), or auto: profile the model on "
                    "the data and pick the fastest predicted layout for this job's ranks (options "
                    "set explicitly are kept)")

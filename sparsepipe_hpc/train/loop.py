@@ -477,6 +477,7 @@ class Trainer:
                   f"({sum(p.numel() for p in self.model.parameters()):,} parameters); "
                   f"{len(self.train_set)} train / {len(self.val_set)} val samples; grid "
                   f"{'x'.join(map(str, self.shape))} voxels of {cfg.voxel_size} m; {self.layout}"
+                  + (f", stage order {cfg.stage_order}" if self._ordered is not None else "")
                   + (" (each rank reads its share of the points)" if self.distributed_input
                      else "") + "; "
                   f"{self.total_steps} steps of global batch {cfg.batch_size} on {self.device}"

@@ -268,6 +268,26 @@ def test_stage_order_moves_stages_and_equals_single_process(comm, shared, tmp_pa
     t.close()
 
 
+def test_a_resume_may_change_the_stage_order(comm, shared):
+    """A checkpoint holds stages, not processes: a run stopped under one stage order resumes
+    under another as if uninterrupted."""
+    if comm.size != 2:
+        pytest.skip("one case is enough: 2 ranks, 2 stages")
+    opts = ("--stages", "2", "--balance", "2,4", "--schedule", "constant")
+    full, part = shared / "order-full", shared / "order-part"
+    Trainer(config(shared, full, *opts), comm, log=None).run()
+    Trainer(config(shared, part, *opts, "--stage-order", "1,0", "--steps", "2"), comm,
+            log=None).run()
+    resumed = Trainer(config(shared, part, *opts, "--resume", "auto"), comm, log=None)
+    assert resumed.step == 2
+    resumed.run()
+    assert curve(part, comm) == pytest.approx(curve(full, comm), rel=1e-6)
+    a, b = ck.load_checkpoint(full / "last.pt"), ck.load_checkpoint(part / "last.pt")
+    for k in a["model"]:
+        assert torch.allclose(a["model"][k].double(), b["model"][k].double(), rtol=1e-5,
+                              atol=1e-6), k
+
+
 def test_a_stage_order_that_is_no_permutation_fails_on_every_rank(comm, shared):
     with pytest.raises(ConfigError, match="--stage-order 0,0 must list each of the 2 stage"):
         Trainer(config(shared, shared / "never", "--stages", "2", "--stage-order", "0,0"), comm,
