@@ -30,12 +30,12 @@ def sections() -> dict[str, str]:
 
 
 def test_the_sections_are_there():
-    assert set(sections()) == {"first", "tests", "bench", "host", "train", "comm", "overlap",
-                                "mps", "suite", "suite-mpi", "triton"}
+    assert set(sections()) == {"targets", "first", "tests", "bench", "host", "train", "comm",
+                                "overlap", "mps", "suite", "suite-mpi", "triton"}
 
 
-@pytest.mark.parametrize("name", ["first", "tests", "bench", "host", "train", "comm", "overlap",
-                                  "mps", "suite", "suite-mpi", "triton"])
+@pytest.mark.parametrize("name", ["targets", "first", "tests", "bench", "host", "train", "comm",
+                                  "overlap", "mps", "suite", "suite-mpi", "triton"])
 def test_each_section_fits_one_device_call(name):
     limits = [int(s) for s in re.findall(r"^\s+step [\w-]+ (\d+) ", sections()[name], re.M)]
     assert limits, name
