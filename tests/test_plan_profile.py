@@ -70,6 +70,7 @@ def test_profile_fits_halo_and_json_round_trip():
             assert b.forward(m["voxels"]) == pytest.approx(max(0.0, m["forward"]), abs=1e-12)
             assert b.out_bytes(m["voxels"]) == pytest.approx(m["out_bytes"])
     assert prof.blocks[0].update > 0   # an AdamW step over the block's parameters
+    assert prof.blocks[0].update_sgd > 0  # and an SGD step
     assert ModelProfile.from_json(prof.to_json()) == prof
     with pytest.raises(ProfileError, match="not a model profile"):
         ModelProfile.from_json('{"name": "x"}')

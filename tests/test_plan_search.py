@@ -132,6 +132,12 @@ def test_optimizer_update_counts_once_per_step():
         b = evaluate(slow, m, 1, 1, (1, 1, 1), mb, 4)
         assert b.step_time - a.step_time == pytest.approx(4 * 0.5)
         assert b.update == (2.0,)
+    # SGD plans take the SGD step's time; a profile from before it was measured, AdamW's.
+    sgd = dataclasses.replace(slow, blocks=tuple(dataclasses.replace(b, update_sgd=0.125)
+                                                 for b in slow.blocks))
+    assert evaluate(sgd, m, 1, 1, (1, 1, 1), 1, 4, optimizer="sgd").update == (0.5,)
+    assert evaluate(sgd, m, 1, 1, (1, 1, 1), 1, 4).update == (2.0,)
+    assert evaluate(slow, m, 1, 1, (1, 1, 1), 1, 4, optimizer="sgd").update == (2.0,)
 
 
 def test_stages_pay_for_kernel_maps_made_before_them():

@@ -30,8 +30,11 @@ carry out; :mod:`sparsepipe_hpc.nn.models`), on the device the batch lives on:
   the model input's voxels and extent: a rank with ``g`` boxes sees ``V / E[a]`` input voxels per
   voxel layer across axis ``a``, so the cost model gets halo bytes from it for any grid
   (:func:`sparsepipe_hpc.plan.cost.halo_bytes`). ``exchanges``: how many such convolutions.
-* ``update``: seconds of one AdamW step over the block's parameters (once per training step,
-  whatever the voxels; the parameters and gradients are restored afterwards).
+* ``update``, ``update_sgd``: seconds of one AdamW step and of one SGD step (momentum and weight
+  decay, as the trainer's ``--optimizer sgd``) over the block's parameters (once per training
+  step, whatever the voxels; the parameters and gradients are restored afterwards).
+  :meth:`BlockProfile.update_for` picks one; a profile without ``update_sgd`` (written before
+  it was measured) gives SGD the AdamW time, the larger.
 * kernel maps (:class:`KmapProfile`): which block makes each map and which blocks reuse it, and
   the seconds to build it; a pipeline stage rebuilds the maps made before it
   (:meth:`ModelProfile.rebuild_costs`, added to its stages by the search).
@@ -109,10 +112,17 @@ class BlockProfile:
     measured: tuple[dict[str, float], ...] = ()
     update: float = 0.0
     split: SplitFit = SplitFit()
+    update_sgd: Optional[float] = None
 
     def time(self, voxels: float) -> float:
         """Seconds forward + backward on ``voxels`` input voxels (reference device)."""
         return self.forward(voxels) + self.backward(voxels)
+
+    def update_for(self, optimizer: str) -> float:
+        """Seconds of one step of ``optimizer`` (``"adamw"`` or ``"sgd"``) over the block."""
+        if optimizer == "sgd" and self.update_sgd is not None:
+            return self.update_sgd
+        return self.update
 
 
 @dataclass(frozen=True)
@@ -175,7 +185,8 @@ class ModelProfile:
                 act_bytes=Fit(**b["act_bytes"]), out_bytes=Fit(**b["out_bytes"]),
                 param_bytes=float(b["param_bytes"]), halo=tuple(b["halo"]),  # type: ignore
                 exchanges=int(b["exchanges"]), measured=tuple(b["measured"]),
-                update=float(b.get("update", 0.0)), split=SplitFit(**b.get("split", {})))
+                update=float(b.get("update", 0.0)), split=SplitFit(**b.get("split", {})),
+                update_sgd=None if b.get("update_sgd") is None else float(b["update_sgd"]))
                 for b in d["blocks"])
             return cls(name=d["name"], device=d["device"], blocks=blocks,
                        voxels_per_sample=float(d["voxels_per_sample"]),
@@ -228,6 +239,8 @@ def _check_profile(p: ModelProfile) -> None:
             number(f"{at}.split.{name}", getattr(blk.split, name))
         number(f"{at}.param_bytes", blk.param_bytes, 0.0)
         number(f"{at}.update", blk.update, 0.0)
+        if blk.update_sgd is not None:
+            number(f"{at}.update_sgd", blk.update_sgd, 0.0)
         if len(blk.halo) != 3:
             raise bad(f"{at}.halo", blk.halo, "three numbers >= 0 (bytes per voxel layer)")
         for a, h in enumerate(blk.halo):
@@ -317,8 +330,10 @@ def _run_once(blocks: Sequence[Any], x: SparseTensor, params: set[int],
     return {"forward": fwd, "backward": bwd, "act_bytes": act, "out_bytes": out_b}
 
 
-def _update_time(block: Any, repeats: int, now: Callable[[], float]) -> float:
-    """Median seconds of an AdamW step over ``block``'s parameters (restored afterwards)."""
+def _update_time(block: Any, repeats: int, now: Callable[[], float],
+                 optimizer: str = "adamw") -> float:
+    """Median seconds of an AdamW or SGD step over ``block``'s parameters (restored
+    afterwards); SGD with momentum and weight decay, as the trainer's."""
     params = [p for p in block.parameters() if p.requires_grad]
     if not params:
         return 0.0
@@ -326,7 +341,8 @@ def _update_time(block: Any, repeats: int, now: Callable[[], float]) -> float:
     grads = [p.grad for p in params]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt = (torch.optim.SGD(params, lr=1e-3, momentum=0.9, weight_decay=1e-4)
+           if optimizer == "sgd" else torch.optim.AdamW(params, lr=1e-3))
     times = []
     for _ in range(repeats + 1):
         t0 = now()
@@ -410,7 +426,7 @@ def profile_model(model: Any, batches: Sequence[SparseTensor], repeats: int = 5,
                                   halo=tuple(halo[k]), exchanges=exchanges[k],  # type: ignore
                                   measured=tuple(raw[k]),
                                   update=_update_time(blk, repeats, now), split=splits[k],
-                                  **fits))
+                                  update_sgd=_update_time(blk, repeats, now, "sgd"), **fits))
     kmaps = []
     for key, (creator, users, _) in kraw[0].items():
         fit = fit_linear([b.num_voxels for b in batches], [kr[key][2] for kr in kraw])

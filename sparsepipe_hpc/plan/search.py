@@ -304,7 +304,7 @@ def _evaluate(profile: ModelProfile, machine: Machine, replicas: int, stages: in
     inflight = SCHEDULES[schedule]
     # The once-per-step tails of a stage s on blocks [i, j): its all-reduce and its update.
     params = segment_sums([b.param_bytes for b in profile.blocks])
-    updates = segment_sums([b.update for b in profile.blocks])
+    updates = segment_sums([b.update_for(optimizer) for b in profile.blocks])
     tails = [np.stack([_ring_allreduce_times(params, replicas * G, ln) for ln in group_links]),
              np.stack([updates / d.speed for d in devs])]
     rebuild = profile.rebuild_costs(v) if stages > 1 else None
