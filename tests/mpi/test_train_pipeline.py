@@ -238,34 +238,37 @@ def test_trace_has_one_row_per_rank_with_the_schedule_actions(comm, shared, tmp_
                 assert any(o["ts"] - 1e-3 <= e["ts"] <= o["ts"] + o["dur"] for o in steps_at)
 
 
-# --stage-order per world size: (stages, replicas, order, extra options).
-ORDERED = {2: (2, 1, "1,0", ("--balance", "2,4")), 3: (3, 1, "2,0,1", ("--balance", "2,2,2")),
-           4: (2, 2, "1,0", ("--balance", "2,4", "--batch-size", "6", "--micro-batches", "2"))}
+# --stage-order per world size: (stages, replicas, order, options beside the single run's,
+# the single run's options).
+ORDERED = {2: [(2, 1, "1,0", ("--balance", "2,4"), ())],
+           3: [(3, 1, "2,0,1", ("--balance", "2,2,2"), ())],
+           4: [(2, 2, "1,0", ("--balance", "2,4"), ("--batch-size", "6", "--micro-batches", "2")),
+               (2, 1, "1,0", ("--balance", "3,3", "--grid", "2,1,1"), ())]}
 
 
 def test_stage_order_moves_stages_and_equals_single_process(comm, shared, tmp_path):
     """--stage-order runs stage s on the processes launched as stage order[s] (each keeps its
     replica and spatial rank) and changes nothing else: the run equals one process's."""
-    stages, replicas, order, extra = ORDERED[comm.size]
-    opts = extra[2:]
-    single_out = tmp_path / "single"
-    single = Trainer(config(shared, single_out, *opts), MPI.COMM_SELF, log=None)
-    single.run()
-    ref = {k: v.detach().clone() for k, v in single.model.state_dict().items()}
-    out = shared / f"ordered-{comm.size}"
-    t = Trainer(config(shared, out, "--stages", str(stages), "--stage-order", order, *extra),
-                comm, log=None)
-    launched = t.layout.position(comm.rank)
-    want = [int(s) for s in order.split(",")].index(launched.stage)
-    assert t.ctx.position == (launched.replica, want, launched.spatial)
-    assert t.layout.replicas == replicas
-    t.run()
-    assert curve(out, comm) == pytest.approx(curve(single_out, MPI.COMM_SELF), rel=1e-5)
-    saved = ck.load_checkpoint(out / "last.pt")
-    assert len(saved["optimizer_stages"]) == stages
-    for k, v in ref.items():
-        assert torch.allclose(saved["model"][k].double(), v.double(), rtol=1e-4, atol=1e-5), k
-    t.close()
+    for case, (stages, replicas, order, extra, opts) in enumerate(ORDERED[comm.size]):
+        single_out = tmp_path / f"single-{case}"
+        single = Trainer(config(shared, single_out, *opts), MPI.COMM_SELF, log=None)
+        single.run()
+        ref = {k: v.detach().clone() for k, v in single.model.state_dict().items()}
+        out = shared / f"ordered-{comm.size}-{case}"
+        t = Trainer(config(shared, out, "--stages", str(stages), "--stage-order", order, *extra,
+                           *opts), comm, log=None)
+        launched = t.layout.position(comm.rank)
+        want = [int(s) for s in order.split(",")].index(launched.stage)
+        assert t.ctx.position == (launched.replica, want, launched.spatial)
+        assert t.layout.replicas == replicas
+        t.run()
+        assert curve(out, comm) == pytest.approx(curve(single_out, MPI.COMM_SELF), rel=1e-5)
+        saved = ck.load_checkpoint(out / "last.pt")
+        assert len(saved["optimizer_stages"]) == stages
+        for key, v in ref.items():
+            assert torch.allclose(saved["model"][key].double(), v.double(), rtol=1e-4,
+                                  atol=1e-5), key
+        t.close()
 
 
 def test_a_resume_may_change_the_stage_order(comm, shared):
