@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 from halo.transport.nccl import nccl_available
-from sparsepipe_hpc.bench._args import positive_int
+from sparsepipe_hpc.bench._args import positive_int, sections as parse_sections
 
 __all__ = ["main", "build_parser", "device_transports", "sizes_section", "SECTIONS"]
 
@@ -102,15 +102,6 @@ def sizes_section(comm: Any, names: list[str], streams: Any, max_bytes: int,
             nbytes *= 4
         tr.close()
     return {"transports": names, "rows": rows}
-
-
-def _sections(p: argparse.ArgumentParser, text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in names if s not in SECTIONS]
-    if bad or not names:
-        p.error(f"--sections {text!r}: {'unknown ' + ', '.join(bad) if bad else 'empty'}; "
-                f"pass a comma-separated subset of {','.join(SECTIONS)}")
-    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,7 +224,7 @@ def _step_sections(args: Any, sections: list[str], comm: Any, device: torch.devi
 def main(argv: list[str]) -> None:
     p = build_parser()
     args = p.parse_args(argv)
-    sections = _sections(p, args.sections)
+    sections = parse_sections(p, args.sections, SECTIONS)
     for flag in ("repeats", "points", "width", "depth", "trace_steps", "max_bytes"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} is {getattr(args, flag)}; it must be >= 1")

@@ -26,6 +26,10 @@
    (every forward and backward of its stage sleeps ``(f - 1)`` times its own duration: a device
    ``f`` times slower). The planner's partition for speeds ``(1, 1/f)`` against the even one,
    measured and predicted.
+4. Stage order: rank 0 slowed by ``--order-slow-factor`` (default 3), so the launch's order puts
+   the first, high-resolution blocks on the slow device. The planner's plan (its stage order and
+   partition: :func:`~sparsepipe_hpc.plan.search.stage_orders`) against the best partition in
+   the launch's order, measured (the trainer's ``--stage-order``) and predicted.
 
 Reported: per plan predicted and measured seconds and the error; median absolute error; whether
 the measured-fastest plan is predicted first, and how much slower the predicted-first plan
@@ -48,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from sparsepipe_hpc.bench._args import nonneg_int, positive_int
+from sparsepipe_hpc.bench._args import nonneg_int, positive_int, sections as parse_sections
 
 __all__ = ["main", "PLANS"]
 
@@ -115,8 +119,10 @@ def worker(args: argparse.Namespace) -> None:
             "--stages", str(args.stages), "--micro-batches", str(args.micro_batches)]
     if args.balance:
         argv += ["--balance", args.balance]
+    if args.stage_order:
+        argv += ["--stage-order", args.stage_order]
     trainer = Trainer(parse_config(argv), comm, log=None)
-    if args.slow_factor > 1 and comm.Get_rank() == args.slow_rank:
+    if args.slow_factor > 1 and comm.Get_rank() == args.slow_rank:  # a process (a device)
         _slow_down(trainer, args.slow_factor)
     indices = trainer.batches.shard(list(range(BATCH)))
     batch = trainer._batch(trainer.train_set, indices, None)   # once, outside the timing
@@ -138,15 +144,19 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _measure(n: int, plan: tuple[int, int, tuple[int, int, int], int], balance: Optional[str],
-             args: argparse.Namespace, tmp: Path, slow: float = 1.0) -> dict[str, Any]:
+             args: argparse.Namespace, tmp: Path, slow: float = 1.0, slow_rank: int = 1,
+             order: Optional[str] = None) -> dict[str, Any]:
     R, S, g, m = plan
-    out = tmp / f"r{R}s{S}g{''.join(map(str, g))}m{m}{balance or ''}{slow}.json"
+    out = tmp / (f"r{R}s{S}g{''.join(map(str, g))}m{m}{balance or ''}{slow}-{slow_rank}"
+                 f"{order or ''}.json")
     cmd = ["-m", "sparsepipe_hpc.bench.planner", "--worker", "--replicas", str(R), "--stages",
            str(S), "--grid", ",".join(map(str, g)), "--micro-batches", str(m), "--steps",
            str(args.steps), "--warmup", str(args.warmup), "--result", str(out), "--out",
-           str(tmp / "run"), "--slow-factor", str(slow), "--slow-rank", "1"]
+           str(tmp / "run"), "--slow-factor", str(slow), "--slow-rank", str(slow_rank)]
     if balance:
         cmd += ["--balance", balance]
+    if order:
+        cmd += ["--stage-order", order]
     _mpirun(n, cmd)
     return json.loads(out.read_text())
 
@@ -194,115 +204,189 @@ def _profile(repeats: int) -> tuple[Any, Any, float, Any]:
     return prof, shape, vps, batches[-1].coords
 
 
+def _stage_order_part(prof: Any, machine: Any, args: argparse.Namespace, tmp: Path,
+                      vps: float, shape: Any) -> dict[str, Any]:
+    """Part 4 of the module: the planner's stage order against the launch's, rank 0 slowed."""
+    from sparsepipe_hpc.plan.search import evaluate, search
+
+    f = args.order_slow_factor
+    het = machine(2, [1.0 / f, 1.0])
+    best = search(prof, het, BATCH, fixed={"stages": 2, "micro_batches": 4, "replicas": 1},
+                  voxels_per_sample=vps, extent=shape).plans[0]
+    launch = evaluate(prof, het, 1, 2, (1, 1, 1), 4, BATCH, voxels_per_sample=vps,
+                      extent=shape, stage_order=(0, 1))
+    row: dict[str, Any] = {"slow_factor": f, "slow_rank": 0,
+                           "planned_order": list(best.stage_order),
+                           "planned_balance": list(best.balance),
+                           "launch_balance": list(launch.balance),
+                           "predicted_launch_s": launch.step_time,
+                           "predicted_planned_s": best.step_time}
+    if best.stage_order == (0, 1):
+        print(f"slow rank 0 x{f}: the planner keeps the launch's stage order (nothing to measure)")
+        return row
+    order = ",".join(map(str, best.stage_order))
+    runs: dict[str, list[float]] = {"launch": [], "planned": []}
+    for _ in range(2):  # alternated: this machine drifts between runs
+        runs["launch"].append(_measure(2, PIPELINE, ",".join(map(str, launch.balance)), args,
+                                       tmp, slow=f, slow_rank=0)["median"])
+        runs["planned"].append(_measure(2, PIPELINE, ",".join(map(str, best.balance)), args,
+                                        tmp, slow=f, slow_rank=0, order=order)["median"])
+    row.update(measured_launch_s=statistics.median(runs["launch"]),
+               measured_planned_s=statistics.median(runs["planned"]), measured_all_s=runs)
+    row.update(measured_speedup=row["measured_launch_s"] / row["measured_planned_s"],
+               predicted_speedup=launch.step_time / best.step_time)
+    print(f"slow rank 0 x{f}: stage order {order} balance "
+          f"{','.join(map(str, best.balance))} vs the launch's order balance "
+          f"{','.join(map(str, launch.balance))}: measured {row['measured_launch_s']:.3f} -> "
+          f"{row['measured_planned_s']:.3f} s (x{row['measured_speedup']:.2f}), predicted "
+          f"x{row['predicted_speedup']:.2f}", flush=True)
+    return row
+
+
+def _plans_part(prof: Any, machine: Any, args: argparse.Namespace, tmp: Path, vps: float,
+                shape: Any, coords: Any) -> dict[str, Any]:
+    """Part 2 of the module: every plan of :data:`PLANS`, predicted and measured."""
+    from sparsepipe_hpc.plan.search import evaluate
+
+    rows = []
+    for plan in PLANS:
+        R, S, g, m = plan
+        n = R * S * g[0] * g[1] * g[2]
+        rank_vps, imb = _inputs(coords, shape, plan, prof.total_stride)
+        pred = evaluate(prof, machine(n), R, S, g, m, BATCH, voxels_per_sample=rank_vps,
+                        extent=shape, imbalance=imb)
+        mean = evaluate(prof, machine(n), R, S, g, m, BATCH, voxels_per_sample=vps,
+                        extent=shape, balance=pred.balance if S > 1 else None)
+        bal = ",".join(map(str, pred.balance)) if S > 1 else None
+        got = _measure(n, plan, bal, args, tmp)
+        rows.append({"ranks": n, "replicas": R, "stages": S, "grid": list(g),
+                     "micro_batches": m, "balance": list(pred.balance),
+                     "voxels_per_sample": rank_vps, "imbalance": imb,
+                     "predicted_split_s": max(pred.split, default=0.0),
+                     "predicted_mean_s": mean.step_time,
+                     "error_mean": mean.step_time / got["median"] - 1,
+                     "core_share": pred.core_share,
+                     "predicted_s": pred.step_time, "measured_s": got["median"],
+                     "measured_all_s": got["times"],
+                     "error": pred.step_time / got["median"] - 1})
+        print(f"{n} ranks R{R} S{S} grid {g} m{m} balance {bal}: predicted "
+              f"{pred.step_time:.3f} s (mean input {mean.step_time:.3f} s), measured "
+              f"{got['median']:.3f} s ({rows[-1]['error']:+.0%}, mean input "
+              f"{rows[-1]['error_mean']:+.0%})", flush=True)
+    ranking: dict[int, Any] = {}
+    ranking_mean: dict[int, Any] = {}
+    for n in sorted({r["ranks"] for r in rows}):
+        mine = [r for r in rows if r["ranks"] == n]
+        fastest = min(mine, key=lambda r: r["measured_s"])
+        for out, key in ((ranking, "predicted_s"), (ranking_mean, "predicted_mean_s")):
+            pick = min(mine, key=lambda r: r[key])
+            out[n] = {"measured_fastest": fastest, "predicted_first": pick,
+                      "same": fastest is pick,
+                      "pick_vs_fastest": pick["measured_s"] / fastest["measured_s"] - 1}
+    result = {"plans": rows,
+              "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
+              "median_abs_error_mean_input": statistics.median(abs(r["error_mean"])
+                                                               for r in rows),
+              "ranking": ranking, "ranking_mean_input": ranking_mean}
+    verdicts = [f"{n} ranks " + ("ok" if v["same"] else f"pick +{v['pick_vs_fastest']:.0%}")
+                + ("" if w["same"] else f" (mean input: pick +{w['pick_vs_fastest']:.0%})")
+                for (n, v), w in zip(ranking.items(), ranking_mean.values())]
+    print(f"median |error| {result['median_abs_error']:.1%} over {len(rows)} plans (mean input "
+          f"{result['median_abs_error_mean_input']:.1%}); measured-"
+          f"fastest predicted first: {', '.join(verdicts)}", flush=True)
+    return result
+
+
+def _balance_part(prof: Any, machine: Any, args: argparse.Namespace, tmp: Path, vps: float,
+                  shape: Any) -> dict[str, Any]:
+    """Part 3 of the module: rank 1 ``--slow-factor`` times slower, balanced against even."""
+    from sparsepipe_hpc.plan.search import evaluate, search
+
+    f = args.slow_factor
+    het = machine(2, [1.0, 1.0 / f])
+    best = search(prof, het, BATCH, fixed={"stages": 2, "micro_batches": 4, "replicas": 1},
+                  voxels_per_sample=vps, extent=shape).plans[0]
+    even_bal = "4,4"
+    even_pred = evaluate(prof, het, 1, 2, (1, 1, 1), 4, BATCH, voxels_per_sample=vps,
+                         extent=shape, balance=(4, 4), stage_order=(0, 1))
+    bal = ",".join(map(str, best.balance))
+    order = ",".join(map(str, best.stage_order)) if best.stage_order != (0, 1) else None
+    m_even = _measure(2, PIPELINE, even_bal, args, tmp, slow=f)["median"]
+    m_bal = m_even if bal == even_bal and order is None else \
+        _measure(2, PIPELINE, bal, args, tmp, slow=f, order=order)["median"]
+    hetero = {"slow_factor": f, "slow_rank": 1, "balanced": list(best.balance),
+              "stage_order": list(best.stage_order),
+              "even": [4, 4], "predicted_even_s": even_pred.step_time,
+              "predicted_balanced_s": best.step_time, "measured_even_s": m_even,
+              "measured_balanced_s": m_bal,
+              "predicted_speedup": even_pred.step_time / best.step_time,
+              "measured_speedup": m_even / m_bal}
+    print(f"slow rank x{f}: balance {bal}{f' stage order {order}' if order else ''} vs even 4,4: "
+          f"measured {m_even:.3f} -> {m_bal:.3f} s (x{hetero['measured_speedup']:.2f}), "
+          f"predicted x{hetero['predicted_speedup']:.2f}", flush=True)
+    return hetero
+
+
+SECTIONS = ("plans", "balance", "order")
+#: The pipeline of parts 3 and 4: one replica, 2 stages, 4 micro-batches.
+PIPELINE = (1, 2, (1, 1, 1), 4)
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m sparsepipe_hpc.bench planner")
     a = p.add_argument
     a("--json", metavar="FILE")
+    a("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}: "
+      "the plans predicted and measured, a slow rank's balanced partition, the stage order "
+      "with a slow first rank (default all)")
     a("--steps", type=positive_int, default=5)
     a("--warmup", type=nonneg_int, default=2)
     a("--repeats", type=positive_int, default=5, help="profile timing repeats")
     a("--slow-factor", type=float, default=2.0)
+    a("--order-slow-factor", type=float, default=3.0, help="rank 0's slow-down in the stage "
+      "order part (default 3)")
     a("--slow-rank", type=nonneg_int, default=1, help=argparse.SUPPRESS)  # the workers': rank 1
     a("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--replicas", "--stages", "--micro-batches"):
         a(name, type=int, default=1, help=argparse.SUPPRESS)
     a("--grid", default="1,1,1", help=argparse.SUPPRESS)
     a("--balance", help=argparse.SUPPRESS)
+    a("--stage-order", help=argparse.SUPPRESS)
     a("--result", help=argparse.SUPPRESS)
     a("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return
+    sections = parse_sections(p, args.sections, SECTIONS)
 
     from sparsepipe_hpc.bench.common import environment, write_json
     from sparsepipe_hpc.plan.machine import Machine, load_machine
-    from sparsepipe_hpc.plan.search import evaluate, search
 
     prof, shape, vps, coords = _profile(args.repeats)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
+    result: dict[str, Any] = {"benchmark": "planner", "environment": environment(),
+                              "cores": cores, "voxels_per_sample": vps}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         (tmp / "m.toml").write_text(_mpirun(2, ["-m", "sparsepipe_hpc.plan",
                                                 "--measure-machine"]).stdout)
         links = load_machine(tmp / "m.toml")
+        result["links"] = links.to_dict()["links"]
 
         def machine(n: int, speeds: Optional[list[float]] = None) -> Machine:
             return Machine.build(speeds or [1.0] * n, [float("inf")] * n, n, links.intra,
                                  links.inter, measured=True, cores_per_node=cores)
 
-        rows = []
-        for plan in PLANS:
-            R, S, g, m = plan
-            n = R * S * g[0] * g[1] * g[2]
-            rank_vps, imb = _inputs(coords, shape, plan, prof.total_stride)
-            pred = evaluate(prof, machine(n), R, S, g, m, BATCH, voxels_per_sample=rank_vps,
-                            extent=shape, imbalance=imb)
-            mean = evaluate(prof, machine(n), R, S, g, m, BATCH, voxels_per_sample=vps,
-                            extent=shape, balance=pred.balance if S > 1 else None)
-            bal = ",".join(map(str, pred.balance)) if S > 1 else None
-            got = _measure(n, plan, bal, args, tmp)
-            rows.append({"ranks": n, "replicas": R, "stages": S, "grid": list(g),
-                         "micro_batches": m, "balance": list(pred.balance),
-                         "voxels_per_sample": rank_vps, "imbalance": imb,
-                         "predicted_split_s": max(pred.split, default=0.0),
-                         "predicted_mean_s": mean.step_time,
-                         "error_mean": mean.step_time / got["median"] - 1,
-                         "core_share": pred.core_share,
-                         "predicted_s": pred.step_time, "measured_s": got["median"],
-                         "measured_all_s": got["times"],
-                         "error": pred.step_time / got["median"] - 1})
-            print(f"{n} ranks R{R} S{S} grid {g} m{m} balance {bal}: predicted "
-                  f"{pred.step_time:.3f} s (mean input {mean.step_time:.3f} s), measured "
-                  f"{got['median']:.3f} s ({rows[-1]['error']:+.0%}, mean input "
-                  f"{rows[-1]['error_mean']:+.0%})", flush=True)
-        ranking: dict[int, Any] = {}
-        ranking_mean: dict[int, Any] = {}
-        for n in sorted({r["ranks"] for r in rows}):
-            mine = [r for r in rows if r["ranks"] == n]
-            fastest = min(mine, key=lambda r: r["measured_s"])
-            for out, key in ((ranking, "predicted_s"), (ranking_mean, "predicted_mean_s")):
-                pick = min(mine, key=lambda r: r[key])
-                out[n] = {"measured_fastest": fastest, "predicted_first": pick,
-                          "same": fastest is pick,
-                          "pick_vs_fastest": pick["measured_s"] / fastest["measured_s"] - 1}
-        # Heterogeneous: rank 1 is slow_factor times slower.
-        f = args.slow_factor
-        het = machine(2, [1.0, 1.0 / f])
-        best = search(prof, het, BATCH, fixed={"stages": 2, "micro_batches": 4,
-                                               "replicas": 1}, voxels_per_sample=vps,
-                      extent=shape).plans[0]
-        even_bal = "4,4"
-        even_pred = evaluate(prof, het, 1, 2, (1, 1, 1), 4, BATCH, voxels_per_sample=vps,
-                             extent=shape, balance=(4, 4))
-        plan = (1, 2, (1, 1, 1), 4)
-        bal = ",".join(map(str, best.balance))
-        m_even = _measure(2, plan, even_bal, args, tmp, slow=f)["median"]
-        m_bal = m_even if bal == even_bal else _measure(2, plan, bal, args, tmp, slow=f)["median"]
-        hetero = {"slow_factor": f, "slow_rank": 1, "balanced": list(best.balance),
-                  "even": [4, 4], "predicted_even_s": even_pred.step_time,
-                  "predicted_balanced_s": best.step_time, "measured_even_s": m_even,
-                  "measured_balanced_s": m_bal,
-                  "predicted_speedup": even_pred.step_time / best.step_time,
-                  "measured_speedup": m_even / m_bal}
-        print(f"slow rank x{f}: balance {bal} vs even 4,4: measured {m_even:.3f} -> {m_bal:.3f} s "
-              f"(x{hetero['measured_speedup']:.2f}), predicted x{hetero['predicted_speedup']:.2f}")
-    errs = [abs(r["error"]) for r in rows]
-    result = {"benchmark": "planner", "environment": environment(), "cores": cores,
-              "voxels_per_sample": vps, "links": links.to_dict()["links"],
-              "plans": rows, "median_abs_error": statistics.median(errs),
-              "median_abs_error_mean_input": statistics.median(abs(r["error_mean"])
-                                                               for r in rows),
-              "ranking": ranking, "ranking_mean_input": ranking_mean, "heterogeneous": hetero,
-              "notes": "predicted = cost model from a one-process profile; measured = median "
-                       "trainer step (input excluded) under mpirun on this machine"}
-    verdicts = [f"{n} ranks " + ("ok" if v["same"] else f"pick +{v['pick_vs_fastest']:.0%}")
-                + ("" if w["same"] else f" (mean input: pick +{w['pick_vs_fastest']:.0%})")
-                for (n, v), w in zip(ranking.items(), ranking_mean.values())]
-    print(f"median |error| {result['median_abs_error']:.1%} over {len(rows)} plans (mean input "
-          f"{result['median_abs_error_mean_input']:.1%}); measured-"
-          f"fastest predicted first: {', '.join(verdicts)}")
+        if "plans" in sections:
+            result.update(_plans_part(prof, machine, args, tmp, vps, shape, coords))
+        if "balance" in sections:
+            result["heterogeneous"] = _balance_part(prof, machine, args, tmp, vps, shape)
+        if "order" in sections:
+            result["stage_order"] = _stage_order_part(prof, machine, args, tmp, vps, shape)
+    result["notes"] = ("predicted = cost model from a one-process profile; measured = median "
+                       "trainer step (input excluded) under mpirun on this machine")
     write_json(args.json, result)
 
 

@@ -53,6 +53,10 @@ each candidate is predicted for every distinct order of the groups (:func:`stage
 ties. Order matters through memory (under 1F1B the first stages hold the most micro-batches),
 speeds against the blocks' granularity, and links. The plan's ``stage_order`` is the trainer's
 ``--stage-order``, which renumbers the ranks so that each stage runs where the plan put it.
+Measured (``bench planner --sections order``: 2 CPU ranks, the default U-Net of 8 blocks, rank 0
+slowed 3x, 4 micro-batches; medians of 2 alternated runs, 2026-11-28): stage order 1,0 with
+blocks 6,2 stepped 1.98 s against 2.05 s for the launch's order at its best split 1,7 (x1.03;
+predicted x1.10).
 """
 
 from __future__ import annotations
