@@ -98,7 +98,7 @@ from sparsepipe_hpc.plan.cost import Link, pipeline_step_time
 
 __all__ = ["Block", "Device", "Partition", "PartitionError", "LinkSpec", "InflightFn",
            "inflight_1f1b", "inflight_gpipe", "partition_stages", "partition_stages_best_order",
-           "segment_sums", "distinct_orders", "STEP_RTOL"]
+           "segment_sums", "distinct_orders", "order_count", "STEP_RTOL"]
 
 InflightFn = Callable[[int, int, int], int]
 #: Step times within this relative distance of the least are ties (the same times summed in
@@ -519,14 +519,41 @@ def partition_stages(blocks: Sequence[Block], devices: Sequence[Device],
     return p
 
 
-def distinct_orders(classes: list[int]) -> Iterator[tuple[int, ...]]:
-    """Distinct permutations of a multiset of class ids, in lexicographic order."""
-    counts = [classes.count(c) for c in range(max(classes) + 1)]
+def _classes(items: Sequence[Any]) -> list[int]:
+    """Each item's class: equal items share one, numbered by first appearance."""
+    kinds: list[Any] = []
+    for item in items:
+        if item not in kinds:
+            kinds.append(item)
+    return [kinds.index(item) for item in items]
+
+
+def order_count(items: Sequence[Any]) -> int:
+    """How many distinct orders ``items`` has, equal items interchangeable: ``S! / prod n_c!``."""
+    classes = _classes(items)
+    count = math.factorial(len(items))
+    for c in set(classes):
+        count //= math.factorial(classes.count(c))
+    return count
+
+
+def distinct_orders(items: Sequence[Any]) -> Iterator[tuple[int, ...]]:
+    """Every distinct order of ``items`` (equal items interchangeable) as indices into it, in
+    lexicographic order of their classes (numbered by first appearance): the ``n``-th place of
+    a class takes that class's ``n``-th item in input order."""
+    classes = _classes(items)
+    counts = [classes.count(c) for c in range(max(classes, default=-1) + 1)]
+    members = [[k for k, c in enumerate(classes) if c == cls] for cls in range(len(counts))]
     perm: list[int] = []
 
     def rec() -> Iterator[tuple[int, ...]]:
         if len(perm) == len(classes):
-            yield tuple(perm)
+            seen = [0] * len(counts)
+            order = []
+            for c in perm:
+                order.append(members[c][seen[c]])
+                seen[c] += 1
+            yield tuple(order)
             return
         for c, left in enumerate(counts):
             if left:
@@ -557,28 +584,15 @@ def partition_stages_best_order(blocks: Sequence[Block], devices: Sequence[Devic
                              f"pass one Link or a function (Device, Device) -> Link")
     m, S = int(microbatches), len(devices)
     ks = _inflight(inflight, S, m)
-    kinds: list[Device] = []
-    for d in devices:
-        if d not in kinds:
-            kinds.append(d)
-    classes = [kinds.index(d) for d in devices]
-    count = math.factorial(S)
-    for c in range(len(kinds)):
-        count //= math.factorial(classes.count(c))
+    count = order_count(devices)
     if count > max_orders:
-        raise PartitionError(f"{S} devices in {len(kinds)} classes have {count} distinct orders, "
-                             f"more than max_orders={max_orders}; group equal devices, fix the "
-                             f"order with partition_stages, or raise max_orders")
-    members = [[k for k, c in enumerate(classes) if c == cls] for cls in range(len(kinds))]
+        raise PartitionError(f"{S} devices in {len(set(_classes(devices)))} classes have {count} "
+                             f"distinct orders, more than max_orders={max_orders}; group equal "
+                             f"devices, fix the order with partition_stages, or raise max_orders")
     tab = _Tables(blocks)
     ex = None if extra is None else _extra(extra, len(blocks))
     found: list[Partition] = []
-    for perm in distinct_orders(classes):
-        seen = [0] * len(kinds)
-        order = []
-        for c in perm:              # the n-th stage of class c gets its n-th device in input order
-            order.append(members[c][seen[c]])
-            seen[c] += 1
+    for order in distinct_orders(devices):
         devs = [devices[k] for k in order]
         p = _solve(tab, devs, tuple(order), _links(link, devs), ks, m, ex)
         if p is not None:

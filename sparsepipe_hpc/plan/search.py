@@ -75,7 +75,7 @@ from sparsepipe_hpc.plan.machine import Machine
 from sparsepipe_hpc.parallel.layout import LayoutError, parse_stage_order
 from sparsepipe_hpc.plan.partition import (STEP_RTOL, Block, Device, Partition, PartitionError,
                                            distinct_orders, inflight_1f1b, inflight_gpipe,
-                                           partition_stages, segment_sums)
+                                           order_count, partition_stages, segment_sums)
 from sparsepipe_hpc.plan.profile import ModelProfile
 
 #: More distinct stage orders than this: only the launch's is predicted (one DP each).
@@ -225,25 +225,9 @@ def stage_orders(machine: Machine, replicas: int, stages: int, grid: Sequence[in
                     for i in range(G)) for s in range(stages)]
     if len({tuple((d.speed, d.memory) for d in grp) for grp in groups}) == 1:
         return [identity]
-    kinds: list[tuple[Device, ...]] = []
-    for grp in groups:
-        if grp not in kinds:
-            kinds.append(grp)
-    classes = [kinds.index(grp) for grp in groups]
-    count = math.factorial(stages)
-    for c in range(len(kinds)):
-        count //= math.factorial(classes.count(c))
-    if count > max_orders:
+    if order_count(groups) > max_orders:
         return [identity]
-    members = [[s for s, c in enumerate(classes) if c == k] for k in range(len(kinds))]
-    orders = []
-    for perm in distinct_orders(classes):
-        seen = [0] * len(kinds)
-        order = []
-        for c in perm:  # the n-th stage of class c runs on its n-th group in launch order
-            order.append(members[c][seen[c]])
-            seen[c] += 1
-        orders.append(tuple(order))
+    orders = list(distinct_orders(groups))
     orders.sort(key=lambda o: o != identity)  # the launch's first: it wins ties
     return orders
 
