@@ -277,6 +277,8 @@ def test_a_library_trainer_resolves_plan_auto_once(data, tmp_path, monkeypatch):
 
     def plan_for_config(cfg, world_size, data_dir, **kw):
         calls.append(world_size)
+        memory, = kw["memory"]  # what this one rank has free: the search plans within it
+        assert 0 < memory < float("inf")
         return types.SimpleNamespace(replicas=1, stages=1, grid=(1, 1, 1), micro_batches=2,
                                      balance=(), ranks=1, step_time=1.0,
                                      trainer_args=functools.partial(list, ["--micro-batches",
@@ -290,6 +292,21 @@ def test_a_library_trainer_resolves_plan_auto_once(data, tmp_path, monkeypatch):
     resolved = auto.auto_plan(cfg, MPI.COMM_SELF, log=None)
     Trainer(resolved, MPI.COMM_SELF, log=None).close()
     assert calls == [1, 1]       # auto_plan once more, the Trainer not again
+
+
+def test_plan_auto_plans_within_each_ranks_memory(data, tmp_path):
+    """--plan auto's search keeps to the memory each rank has (plan_for_config's ``memory``):
+    below the roomy plan's need it picks a plan that fits, and with none that fits it says so."""
+    from sparsepipe_hpc.plan.auto import plan_for_config
+    from sparsepipe_hpc.plan.search import SearchError
+
+    cfg = tiny(data, tmp_path / "o", "--plan", "auto")
+    roomy = plan_for_config(cfg, 2, data["seg"], repeats=1)
+    limit = 0.99 * max(roomy.memory)
+    tight = plan_for_config(cfg, 2, data["seg"], repeats=1, memory=[limit, limit])
+    assert max(tight.memory) <= limit
+    with pytest.raises(SearchError, match="no plan fits 2 ranks"):
+        plan_for_config(cfg, 2, data["seg"], repeats=1, memory=[1.0, 1.0])
 
 
 def test_resume_on_other_training_data_is_refused(data, tmp_path):

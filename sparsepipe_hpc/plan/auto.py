@@ -6,10 +6,12 @@ Rank 0 voxelizes batches of the first 1, 2 and 4 training samples (capped by the
 sizes micro-batches have, so the voxel fit interpolates), profiles the model on them on its own
 training device in its ``--precision`` (:func:`~sparsepipe_hpc.plan.profile.profile_model` under
 the run's autocast, 3 repeats), and searches the
-layouts of the job's ranks on a uniform machine of that many ranks (every rank the same speed,
-the launcher's ranks per node, default links; CPU ranks share the cores rank 0's node's ranks
-may run on), keeping every layout option the user set (``cfg.plan_fixed``). The chosen plan is
-broadcast; every rank applies it. A failure on rank 0 (unreadable data, nothing fits) is raised
+layouts of the job's ranks on a machine of that many ranks: every rank the same speed, each
+with the memory its device has free now (a GPU's; a CPU rank's share of its node's), the
+launcher's ranks per node, default links; CPU ranks share the cores rank 0's node's ranks may
+run on. Devices of unequal memory make the search weigh stage orders too (``--stage-order``).
+It keeps every layout option the user set (``cfg.plan_fixed``). The chosen plan is broadcast;
+every rank applies it. A failure on any rank (no device, unreadable data, nothing fits) is raised
 on every rank.
 
 The pick rests on timings, so two runs may pick different layouts when plans are close; a run
@@ -21,19 +23,22 @@ layout is recorded in the run's ``config.json``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 __all__ = ["auto_plan", "plan_for_config"]
 
 
 def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3,
                     device: Any = "cpu", ranks_per_node: Optional[int] = None,
-                    cores_per_node: Optional[int] = None) -> Any:
+                    cores_per_node: Optional[int] = None,
+                    memory: Optional[Sequence[float]] = None) -> Any:
     """The best :class:`~sparsepipe_hpc.plan.search.Plan` for ``cfg`` on ``world_size`` ranks,
     ``ranks_per_node`` of them per node (default: all on one), profiled on ``device`` (the one the
     run computes on: GPU timings plan a GPU run) in ``cfg.precision``. CPU ranks share
-    ``cores_per_node`` cores (``Machine.core_share``; None: a device each, as GPU ranks have)."""
+    ``cores_per_node`` cores (``Machine.core_share``; None: a device each, as GPU ranks have).
+    ``memory``: bytes each rank may use (None: no limit)."""
     import torch
 
     from sparsepipe_hpc.data import ModelNetDataset, SceneDataset, collate, grid_for
@@ -66,8 +71,10 @@ def plan_for_config(cfg: Any, world_size: int, data_dir: Path, repeats: int = 3,
     if cfg.input == "distributed":  # an unpipelined spatial group (check_input_options)
         fixed.update(stages=1, micro_batches=1)
     cpu = torch.device(device).type == "cpu"
-    machine = Machine.uniform(world_size, ranks_per_node or world_size,
-                              cores_per_node=cores_per_node if cpu else None)
+    machine = Machine.build([1.0] * world_size,
+                            list(memory) if memory is not None else [math.inf] * world_size,
+                            ranks_per_node or world_size,
+                            cores_per_node=cores_per_node if cpu else None)
     result = search(prof, machine, cfg.batch_size, schedule=cfg.pipeline_schedule,
                     optimizer=cfg.optimizer, fixed=fixed, extent=shape)
     return result.plans[0]
@@ -81,7 +88,7 @@ def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
     from launch.env import detect
     from sparsepipe_hpc.data import default_data
     from sparsepipe_hpc.plan.machine import node_cores
-    from sparsepipe_hpc.train.agreement import agree
+    from sparsepipe_hpc.train.agreement import agree, free_memory
     from sparsepipe_hpc.train.device import resolve_device
 
     if cfg.plan != "auto" or cfg.plan_ranks is not None:   # not asked, or resolved already
@@ -92,12 +99,19 @@ def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
     per_node = comm.allreduce(info.local_size, op=MPI.MAX)
     cores = node_cores(comm)
 
-    def pick() -> Any:
+    def pick(memory: Sequence[float]) -> Any:
         device = resolve_device(cfg.device, info.local_rank)
         return plan_for_config(cfg, comm.Get_size(), data_dir, device=device,
-                               ranks_per_node=per_node, cores_per_node=cores)
+                               ranks_per_node=per_node, cores_per_node=cores, memory=memory)
 
-    plan = agree(comm, lambda: pick() if rank0 else None)
+    def my_memory() -> float:  # what this rank's device has free now, shared on a CPU node
+        device = resolve_device(cfg.device, info.local_rank)
+        free = free_memory(device)
+        sharing = info.local_size if device.type == "cpu" else 1
+        return math.inf if free is None else free / sharing
+
+    memory = comm.allgather(agree(comm, my_memory))
+    plan = agree(comm, lambda: pick(memory) if rank0 else None)
     plan = comm.bcast(plan, root=0)
     if rank0 and log is not None:
         log(f"--plan auto: {' '.join(plan.trainer_args())} (predicted {plan.step_time:.3g} s "

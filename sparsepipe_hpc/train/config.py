@@ -281,10 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "and gradients are the same either way")
     g.add_argument("--plan", metavar="FILE|auto", help="take --replicas, --grid, --stages, "
                    "--balance, --stage-order, --micro-batches and --pipeline-schedule from a "
-                   "planner's JSON "
-                   "(python -m sparsepipe_hpc.plan --json FILE), or auto: profile the model on "
-                   "the data and pick the fastest predicted layout for this job's ranks (options "
-                   "set explicitly are kept)")
+                   "planner's JSON (python -m sparsepipe_hpc.plan --json FILE), or auto: "
+                   "profile the model on the data and pick the fastest predicted layout for this "
+                   "job's ranks within the memory each has free (options set explicitly are "
+                   "kept)")
     g.add_argument("--cuts", choices=("balanced", "uniform"), help="spatial cut placement "
                    "(default balanced)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction,
