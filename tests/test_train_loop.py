@@ -280,7 +280,7 @@ def test_a_library_trainer_resolves_plan_auto_once(data, tmp_path, monkeypatch):
         memory, = kw["memory"]  # what this one rank has free: the search plans within it
         assert 0 < memory < float("inf")
         return types.SimpleNamespace(replicas=1, stages=1, grid=(1, 1, 1), micro_batches=2,
-                                     balance=(), ranks=1, step_time=1.0,
+                                     balance=(), ranks=1, step_time=1.0, moves_stages=False,
                                      trainer_args=functools.partial(list, ["--micro-batches",
                                                                            "2"]))
 

@@ -221,7 +221,7 @@ def _stage_order_part(prof: Any, machine: Any, args: argparse.Namespace, tmp: Pa
                            "launch_balance": list(launch.balance),
                            "predicted_launch_s": launch.step_time,
                            "predicted_planned_s": best.step_time}
-    if best.stage_order == (0, 1):
+    if not best.moves_stages:
         print(f"slow rank 0 x{f}: the planner keeps the launch's stage order (nothing to measure)")
         return row
     order = ",".join(map(str, best.stage_order))
@@ -310,7 +310,7 @@ def _balance_part(prof: Any, machine: Any, args: argparse.Namespace, tmp: Path, 
     even_pred = evaluate(prof, het, 1, 2, (1, 1, 1), 4, BATCH, voxels_per_sample=vps,
                          extent=shape, balance=(4, 4), stage_order=(0, 1))
     bal = ",".join(map(str, best.balance))
-    order = ",".join(map(str, best.stage_order)) if best.stage_order != (0, 1) else None
+    order = ",".join(map(str, best.stage_order)) if best.moves_stages else None
     m_even = _measure(2, PIPELINE, even_bal, args, tmp, slow=f)["median"]
     m_bal = m_even if bal == even_bal and order is None else \
         _measure(2, PIPELINE, bal, args, tmp, slow=f, order=order)["median"]

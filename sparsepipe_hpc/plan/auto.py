@@ -119,7 +119,7 @@ def auto_plan(cfg: Any, comm: Any, log: Optional[Any] = print) -> Any:
     changes = {"replicas": plan.replicas, "stages": plan.stages, "grid": plan.grid,
                "micro_batches": plan.micro_batches,
                "balance": ",".join(map(str, plan.balance)) if plan.stages > 1 else cfg.balance,
-               "stage_order": (",".join(map(str, plan.stage_order))
-                               if "--stage-order" in plan.trainer_args() else None)}
+               "stage_order": (",".join(map(str, plan.stage_order)) if plan.moves_stages
+                               else None)}
     return dataclasses.replace(cfg, plan_ranks=comm.Get_size(),
                                **{k: v for k, v in changes.items() if k not in cfg.plan_fixed})

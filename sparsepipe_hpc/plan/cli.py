@@ -185,7 +185,7 @@ def _mib(b: float) -> str:
 def format_table(plans: Sequence[Any]) -> str:
     """The chosen plan and runners-up as an aligned text table (seconds per step, MiB); an
     ``order`` column (``--stage-order``) where a plan moves stages off the launch's order."""
-    moved = [p.stage_order and list(p.stage_order) != list(range(p.stages)) for p in plans]
+    moved = [p.moves_stages for p in plans]
     head = ("#", "replicas", "stages", "grid", "micro", "balance") + ("order",) * any(moved) + (
         "step s", "compute s", "halo s", "split s", "transfer s", "allreduce s", "mem MiB")
     rows = [head]

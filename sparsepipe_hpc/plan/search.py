@@ -118,6 +118,12 @@ class Plan:
     def ranks(self) -> int:
         return self.replicas * self.stages * math.prod(self.grid)
 
+    @property
+    def moves_stages(self) -> bool:
+        """Whether the plan's stage order is not the launch's (the trainer needs
+        ``--stage-order``)."""
+        return bool(self.stage_order) and self.stage_order != tuple(range(self.stages))
+
     def trainer_args(self) -> list[str]:
         """The trainer options this plan sets."""
         args = ["--replicas", str(self.replicas), "--grid", ",".join(map(str, self.grid))]
@@ -126,7 +132,7 @@ class Plan:
                      "--pipeline-schedule", self.pipeline_schedule]
         if self.stages > 1:
             args += ["--balance", ",".join(map(str, self.balance))]
-        if self.stage_order and self.stage_order != tuple(range(self.stages)):
+        if self.moves_stages:
             args += ["--stage-order", ",".join(map(str, self.stage_order))]
         return args
 
